@@ -1,0 +1,55 @@
+"""The `hsx` command: one entry point, each subcommand lives with its side.
+
+`serve` imports vLLM; `extract`, `verify` and `bench --client-only` do not, so the
+client installs and runs without it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: hsx COMMAND [ARGS]
+
+commands:
+  serve MODEL [vLLM engine flags] [hsx flags]   run the extraction server
+  extract --server URL --input FILE --output DIR  write a training corpus
+  verify DIR                                      re-check a corpus
+  demo                                            tiny CPU model + server + extract, end to end
+  bench                                           benchmark against plain prefill and vLLM's file path
+  make-tiny-model DIR                             write a small random Llama with a tokenizer
+
+`hsx COMMAND --help` for a command's flags.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from hsx_service.cli import main as run
+    elif command == "extract":
+        from hsx_client.cli import extract_main as run
+    elif command == "verify":
+        from hsx_client.cli import verify_main as run
+    elif command == "demo":
+        from hsx.demo import main as run
+    elif command == "bench":
+        from hsx.bench import main as run
+    elif command == "make-tiny-model":
+        from hsx.tiny_model import main as run
+    elif command in ("-V", "--version"):
+        from hsx import __version__
+
+        print(__version__)
+        return 0
+    else:
+        print(f"hsx: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return int(run(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

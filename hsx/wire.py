@@ -1,0 +1,123 @@
+"""The wire format of `POST /hidden_states`: a safetensors file.
+
+Both sides use this module: the server builds the header itself so that the tensor
+bytes can go out straight from shared memory (no serialize-into-one-buffer copy);
+the client parses the same layout. The layout is plain safetensors, so
+`safetensors.safe_open` reads a body saved with `curl --compressed -o x.safetensors`.
+
+Tensors, in this order in the body:
+  hidden_states  [T, L, H]  model dtype, layer ids ascending, the id N slice pre-norm
+  token_ids      [T]        int64
+  loss_mask      [T]        uint8 (0/1), present when known
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+FORMAT = "hsx-hidden-states/1"
+MEDIA_TYPE = "application/x-safetensors"
+
+# safetensors dtype names <-> torch dtype names (the ones a served model can have).
+ST_DTYPES = {
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "int64": "I64",
+    "uint8": "U8",
+}
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1}
+_HEADER_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors name: BF16, F32, I64, U8 ...
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = ITEMSIZE[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def encode_header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
+    """The safetensors prefix (length + JSON) for tensors laid out in `specs` order."""
+    header: dict[str, Any] = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {
+            "dtype": spec.dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    # Pad with spaces so the data starts 8-byte aligned, as safetensors itself does.
+    raw += b" " * (-(8 + len(raw)) % _HEADER_ALIGN)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+@dataclass
+class Decoded:
+    """A decoded response: numpy views for ids and mask, torch for the states."""
+
+    hidden_states: Any  # torch.Tensor [T, L, H]
+    token_ids: np.ndarray
+    loss_mask: np.ndarray | None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return json.loads(self.metadata["layer_ids"])
+
+
+class WireFormatError(ValueError):
+    """The body is not a well-formed hsx safetensors response."""
+
+
+def parse_header(body: bytes | memoryview) -> tuple[dict[str, Any], int]:
+    """Return (header dict, offset where tensor data starts)."""
+    if len(body) < 8:
+        raise WireFormatError(f"body of {len(body)} bytes is too short for safetensors")
+    (n,) = struct.unpack("<Q", bytes(body[:8]))
+    if n > len(body) - 8:
+        raise WireFormatError(f"safetensors header of {n} bytes overruns a {len(body)}-byte body")
+    try:
+        header = json.loads(bytes(body[8 : 8 + n]))
+    except ValueError as exc:
+        raise WireFormatError(f"safetensors header is not JSON: {exc}") from exc
+    return header, 8 + n
+
+
+def decode(body: bytes | bytearray | memoryview) -> Decoded:
+    """Decode an (already decompressed) response body. Checks sizes and agreement."""
+    import safetensors.torch
+
+    header, start = parse_header(body)
+    expected = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if len(body) - start != expected:
+        raise WireFormatError(
+            f"body holds {len(body) - start} data bytes, the header describes {expected} (truncated?)"
+        )
+    tensors = safetensors.torch.load(bytes(body))
+    meta = header.get("__metadata__", {})
+    for name in ("hidden_states", "token_ids"):
+        if name not in tensors:
+            raise WireFormatError(f"response lacks the {name!r} tensor")
+    hs = tensors["hidden_states"]
+    ids = tensors["token_ids"].numpy()
+    mask = tensors["loss_mask"].numpy() if "loss_mask" in tensors else None
+    if hs.ndim != 3 or hs.shape[0] != ids.shape[0]:
+        raise WireFormatError(f"hidden_states {tuple(hs.shape)} does not match {ids.shape[0]} tokens")
+    if mask is not None and mask.shape != ids.shape:
+        raise WireFormatError(f"loss_mask {mask.shape} does not match token_ids {ids.shape}")
+    return Decoded(hidden_states=hs, token_ids=ids, loss_mask=mask, metadata=meta)
