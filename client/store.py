@@ -1,0 +1,390 @@
+"""Crash-safe storage of a corpus directory.
+
+Layout of an output dir (besides the files the corpus format writes):
+
+    .lock               flock'ed by the one writer (`hsx extract` / `hsx verify`)
+    plan.json           settings + the key of every planned sample, by final index
+    manifest.jsonl      one line per stored sample: {key, index, files, record}
+    failed.jsonl        one line per sample that failed for good: {key, index, reason, ...}
+    verify.json         written by `hsx verify`: the indices found bad (resume redoes them)
+    hsx_corpus.json     provenance + counts; written last, so it marks a finished corpus
+
+Rules that make a kill -9 at any point safe:
+- every file is written to a temporary name in its final directory (`.NAME.hsx-tmp-PID-RAND`),
+  flushed, fsync'ed, `os.replace`d into place, and the directory fsync'ed;
+- only then is the manifest line appended and fsync'ed; a sample counts only once its
+  line is complete (a torn last line is cut off when the manifest is reopened);
+- temporary files left by a crash are removed when the next writer starts.
+Checksums are SHA-256 (with SHA-NI it is the fastest in hashlib here: ~2 GB/s/core,
+blake2b ~1.3 GB/s); they are computed from the bytes in memory while writing.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+TMP_MARK = ".hsx-tmp-"
+LOCK_NAME = ".lock"
+PLAN_NAME = "plan.json"
+MANIFEST_NAME = "manifest.jsonl"
+FAILED_NAME = "failed.jsonl"
+VERIFY_NAME = "verify.json"
+CORPUS_NAME = "hsx_corpus.json"
+HASH_ALGO = "sha256"
+
+# Names the store owns; a format must not write these.
+RESERVED = {LOCK_NAME, PLAN_NAME, MANIFEST_NAME, FAILED_NAME, VERIFY_NAME, CORPUS_NAME}
+
+
+class StoreError(Exception):
+    """A problem with the output directory a person has to resolve."""
+
+
+class LockedError(StoreError):
+    pass
+
+
+class InsufficientDiskError(StoreError):
+    pass
+
+
+# ---------------------------------------------------------------- files
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some filesystems refuse fsync on a directory
+        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _write_fsync(path: Path, data: bytes | bytearray | memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.write(fd, view[: 1 << 30])
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_digest(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.new(HASH_ALGO, data).hexdigest()
+
+
+def write_files_atomic(root: Path, files: dict[str, bytes | bytearray | memoryview]) -> dict[str, dict[str, Any]]:
+    """Store `files` (relpath -> bytes) under `root`, each atomically; return their
+    {relpath: {"size", "sha256"}}. The directories are fsync'ed once each at the end."""
+    root = Path(root)
+    info: dict[str, dict[str, Any]] = {}
+    dirs: set[Path] = set()
+    for rel, data in files.items():
+        final = safe_join(root, rel)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp_name(final)
+        try:
+            _write_fsync(tmp, data)
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            raise
+        dirs.add(final.parent)
+        info[rel] = {"size": memoryview(data).nbytes, HASH_ALGO: file_digest(data)}
+    for d in dirs:
+        fsync_dir(d)
+    return info
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    data = (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
+    write_files_atomic(Path(path).parent, {Path(path).name: data})
+
+
+def safe_join(root: Path, rel: str) -> Path:
+    p = Path(rel)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise ValueError(f"refusing to write outside the output dir: {rel!r}")
+    if len(p.parts) == 1 and p.name in RESERVED:
+        raise ValueError(f"{rel!r} is a name the store reserves")
+    return root / p
+
+
+def hash_file(path: Path, chunk: int = 8 << 20) -> tuple[int, str]:
+    """(size, hex digest) of a file on disk."""
+    h = hashlib.new(HASH_ALGO)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def clean_temp_files(root: Path) -> int:
+    """Remove temporary files a crashed writer left under `root`. Returns how many."""
+    removed = 0
+    stack = [Path(root)]
+    while stack:
+        d = stack.pop()
+        try:
+            entries = list(os.scandir(d))
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                stack.append(Path(e.path))
+            elif TMP_MARK in e.name and e.name.startswith("."):
+                try:
+                    os.unlink(e.path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+    return removed
+
+
+# ---------------------------------------------------------------- lock
+class DirLock:
+    """Exclusive, non-blocking `flock` on DIR/.lock, held until `release()`.
+
+    The kernel drops it when the process dies, so a kill -9 never leaves a stale lock.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.path = Path(root) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self, what: str = "hsx extract") -> "DirLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+            except OSError:
+                holder = ""
+            os.close(fd)
+            raise LockedError(
+                f"{self.path.parent} is in use by another writer ({holder or 'unknown process'}); "
+                "wait for it to finish or stop it, one writer per output dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{what} pid={os.getpid()} host={os.uname().nodename}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def __enter__(self) -> "DirLock":
+        return self.acquire() if self._fd is None else self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+# ---------------------------------------------------------------- JSONL logs
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int, int]:
+    """(entries, byte length of the complete prefix, number of bad lines skipped).
+
+    The prefix stops before a torn last line (no trailing newline, or not JSON): that
+    line is what a crash in the middle of an append leaves; it does not count."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return [], 0, 0
+    entries: list[dict[str, Any]] = []
+    good = 0
+    bad = 0
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:  # torn tail
+            bad += 1
+            break
+        line = data[pos:nl]
+        pos = nl + 1
+        if not line.strip():
+            good = pos
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            bad += 1
+            if pos >= len(data):  # last line garbage: cut it
+                break
+            good = pos  # a bad line in the middle: skip it, keep going
+            continue
+        if isinstance(obj, dict):
+            entries.append(obj)
+        good = pos
+    return entries, good, bad
+
+
+class JsonlLog:
+    """Append-only, fsync'ed JSONL file with group commit (thread-safe).
+
+    Opening cuts a torn last line so new lines never glue onto a fragment."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.entries, good, self.bad_lines = read_jsonl(self.path)
+        if self.path.exists() and self.path.stat().st_size != good:
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+                os.fsync(f.fileno())
+        self._f = open(self.path, "ab", buffering=0)
+        fsync_dir(self.path.parent)
+        self._io = threading.Lock()
+        self._mu = threading.Lock()
+        self._pending: list[bytes] = []
+        self._assigned = 0
+        self._committed = 0
+
+    def append(self, entry: dict[str, Any]) -> None:
+        """Append one line; returns once it (and any batched with it) is on disk."""
+        line = (json.dumps(entry, separators=(",", ":")) + "\n").encode()
+        with self._mu:
+            self._pending.append(line)
+            self._assigned += 1
+            mine = self._assigned
+        with self._io:
+            with self._mu:
+                if self._committed >= mine:
+                    return
+                batch, self._pending = self._pending, []
+                last = self._assigned
+            data = b"".join(batch)
+            view = memoryview(data)
+            while view:
+                n = self._f.write(view)
+                view = view[n:]
+            os.fsync(self._f.fileno())
+            with self._mu:
+                self._committed = last
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self) -> "JsonlLog":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def latest_by_index(entries: Iterable[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The last manifest line of each index wins (a redo or an invalidation overrides)."""
+    out: dict[int, dict[str, Any]] = {}
+    for e in entries:
+        if "index" in e:
+            out[int(e["index"])] = e
+    return {i: e for i, e in out.items() if not e.get("invalid")}
+
+
+def check_sizes(root: Path, entry: dict[str, Any]) -> list[str]:
+    """Cheap check at resume: every recorded file exists with its recorded size."""
+    problems = []
+    for rel, meta in entry.get("files", {}).items():
+        try:
+            size = os.stat(Path(root) / rel).st_size
+        except FileNotFoundError:
+            problems.append(f"{rel}: missing")
+            continue
+        if size != meta.get("size"):
+            problems.append(f"{rel}: size {size}, recorded {meta.get('size')}")
+    return problems
+
+
+def check_checksums(root: Path, entry: dict[str, Any]) -> list[str]:
+    """Full check (verify): size and checksum of every recorded file."""
+    problems = []
+    for rel, meta in entry.get("files", {}).items():
+        try:
+            size, digest = hash_file(Path(root) / rel)
+        except FileNotFoundError:
+            problems.append(f"{rel}: missing")
+            continue
+        if size != meta.get("size"):
+            problems.append(f"{rel}: size {size}, recorded {meta.get('size')}")
+        elif HASH_ALGO in meta and digest != meta[HASH_ALGO]:
+            problems.append(f"{rel}: {HASH_ALGO} mismatch (file corrupted)")
+    return problems
+
+
+# ---------------------------------------------------------------- disk
+@dataclass
+class DiskEstimate:
+    needed: int
+    free: int
+    path: str
+
+    @property
+    def ok(self) -> bool:
+        return self.free >= self.needed
+
+
+def check_disk_space(root: Path, needed_bytes: int, *, force: bool = False, margin: float = 0.05) -> DiskEstimate:
+    """Refuse (InsufficientDiskError) when `root`'s filesystem lacks `needed_bytes`
+    plus `margin`, unless `force`."""
+    p = Path(root)
+    while not p.exists():
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    need = int(needed_bytes * (1 + margin))
+    est = DiskEstimate(needed=need, free=free, path=str(root))
+    if not est.ok and not force:
+        raise InsufficientDiskError(
+            f"the corpus needs about {fmt_bytes(need)} (estimate + {margin:.0%} margin) but "
+            f"{root} has {fmt_bytes(free)} free; free space, pick another --output, lower "
+            "--max-samples/--max-length, or pass --force-disk to run anyway"
+        )
+    return est
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def iter_manifest(root: Path) -> Iterator[dict[str, Any]]:
+    entries, _, _ = read_jsonl(Path(root) / MANIFEST_NAME)
+    return iter(entries)

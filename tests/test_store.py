@@ -1,0 +1,155 @@
+"""Crash-safe store: atomic writes, manifest torn-line recovery, lock, disk check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import namedtuple
+
+import pytest
+
+from hsx_client import store
+
+
+def _tmp_files(root):
+    return [p for p in root.rglob("*") if store.TMP_MARK in p.name]
+
+
+def test_write_files_atomic(tmp_path):
+    info = store.write_files_atomic(tmp_path, {"a/b/x.bin": b"hello", "y.bin": bytearray(b"\x00" * 10)})
+    assert (tmp_path / "a/b/x.bin").read_bytes() == b"hello"
+    assert info["a/b/x.bin"]["size"] == 5
+    assert info["a/b/x.bin"]["sha256"] == store.file_digest(b"hello")
+    assert store.hash_file(tmp_path / "y.bin") == (10, info["y.bin"]["sha256"])
+    assert not _tmp_files(tmp_path)
+    # overwrite in place (a redo) is atomic too
+    store.write_files_atomic(tmp_path, {"y.bin": b"new"})
+    assert (tmp_path / "y.bin").read_bytes() == b"new"
+
+
+def test_write_failure_leaves_nothing(tmp_path, monkeypatch):
+    (tmp_path / "old.bin").write_bytes(b"old")
+
+    def boom(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store.os, "replace", boom)
+    with pytest.raises(OSError):
+        store.write_files_atomic(tmp_path, {"old.bin": b"newer"})
+    assert (tmp_path / "old.bin").read_bytes() == b"old"
+    assert not _tmp_files(tmp_path)
+
+
+def test_refuses_paths_outside(tmp_path):
+    for bad in ("../x", "/etc/x", "manifest.jsonl", "plan.json"):
+        with pytest.raises(ValueError):
+            store.write_files_atomic(tmp_path, {bad: b"x"})
+
+
+def test_clean_temp_files(tmp_path):
+    (tmp_path / "d").mkdir()
+    left = tmp_path / "d" / f".hs_1.safetensors{store.TMP_MARK}123-abcd"
+    left.write_bytes(b"partial")
+    keep = tmp_path / "d" / "hs_1.safetensors"
+    keep.write_bytes(b"whole")
+    assert store.clean_temp_files(tmp_path) == 1
+    assert not left.exists() and keep.exists()
+
+
+def test_manifest_torn_line_recovery(tmp_path):
+    p = tmp_path / "manifest.jsonl"
+    log = store.JsonlLog(p)
+    for i in range(3):
+        log.append({"index": i, "key": f"k{i}"})
+    log.close()
+    with open(p, "ab") as f:  # a crash in the middle of an append
+        f.write(b'{"index": 3, "key": "k3", "fil')
+    entries, good, bad = store.read_jsonl(p)
+    assert [e["index"] for e in entries] == [0, 1, 2] and bad == 1
+    log = store.JsonlLog(p)  # reopening cuts the torn tail
+    assert [e["index"] for e in log.entries] == [0, 1, 2]
+    assert p.stat().st_size == good
+    log.append({"index": 3, "key": "k3"})
+    log.close()
+    lines = p.read_text().splitlines()
+    assert [json.loads(x)["index"] for x in lines] == [0, 1, 2, 3]
+
+
+def test_manifest_garbage_last_line_with_newline(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_bytes(b'{"index": 0}\n{"index": 1, "ke\n')
+    entries, good, bad = store.read_jsonl(p)
+    assert [e["index"] for e in entries] == [0] and good == len(b'{"index": 0}\n') and bad == 1
+
+
+def test_manifest_concurrent_appends(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    p = tmp_path / "m.jsonl"
+    log = store.JsonlLog(p)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: log.append({"index": i, "pad": "x" * 1000}), range(200)))
+    log.close()
+    entries, _, bad = store.read_jsonl(p)
+    assert bad == 0 and sorted(e["index"] for e in entries) == list(range(200))
+
+
+def test_latest_by_index_and_invalidation():
+    entries = [
+        {"index": 0, "v": 1},
+        {"index": 1, "v": 1},
+        {"index": 0, "v": 2},
+        {"index": 1, "invalid": True},
+    ]
+    latest = store.latest_by_index(entries)
+    assert latest == {0: {"index": 0, "v": 2}}
+
+
+def test_size_and_checksum_checks(tmp_path):
+    files = store.write_files_atomic(tmp_path, {"s.bin": b"0123456789"})
+    entry = {"files": files}
+    assert store.check_sizes(tmp_path, entry) == [] and store.check_checksums(tmp_path, entry) == []
+    (tmp_path / "s.bin").write_bytes(b"0123456780")  # same size, one byte flipped
+    assert store.check_sizes(tmp_path, entry) == []
+    assert "corrupted" in store.check_checksums(tmp_path, entry)[0]
+    (tmp_path / "s.bin").write_bytes(b"01234")  # truncated
+    assert "size 5" in store.check_sizes(tmp_path, entry)[0]
+    (tmp_path / "s.bin").unlink()
+    assert "missing" in store.check_sizes(tmp_path, entry)[0]
+
+
+def test_lock_exclusion(tmp_path):
+    lock = store.DirLock(tmp_path).acquire("hsx extract")
+    try:
+        with pytest.raises(store.LockedError) as ei:
+            store.DirLock(tmp_path).acquire()
+        assert f"pid={os.getpid()}" in str(ei.value)
+        code = (
+            "import sys; from hsx_client import store\n"
+            "try:\n store.DirLock(sys.argv[1]).acquire()\nexcept store.LockedError as e:\n print(e); sys.exit(3)\n"
+        )
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+        assert r.returncode == 3 and "in use" in r.stdout
+    finally:
+        lock.release()
+    store.DirLock(tmp_path).acquire().release()  # free again
+
+
+def test_lock_released_when_process_dies(tmp_path):
+    code = "import os, sys; from hsx_client import store; store.DirLock(sys.argv[1]).acquire(); os._exit(9)"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)])
+    assert r.returncode == 9
+    store.DirLock(tmp_path).acquire().release()
+
+
+def test_disk_space_refusal(tmp_path, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda p: Usage(10**12, 0, 10**9))
+    with pytest.raises(store.InsufficientDiskError) as ei:
+        store.check_disk_space(tmp_path / "new" / "dir", 2 * 10**9)
+    assert "--force-disk" in str(ei.value) and "2.1 GB" in str(ei.value)
+    est = store.check_disk_space(tmp_path, 2 * 10**9, force=True)
+    assert not est.ok
+    assert store.check_disk_space(tmp_path, 10**8).ok
