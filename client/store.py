@@ -93,14 +93,16 @@ def file_digest(data: bytes | bytearray | memoryview) -> str:
     return hashlib.new(HASH_ALGO, data).hexdigest()
 
 
-def write_files_atomic(root: Path, files: dict[str, bytes | bytearray | memoryview]) -> dict[str, dict[str, Any]]:
+def write_files_atomic(
+    root: Path, files: dict[str, bytes | bytearray | memoryview], *, _reserved_ok: bool = False
+) -> dict[str, dict[str, Any]]:
     """Store `files` (relpath -> bytes) under `root`, each atomically; return their
     {relpath: {"size", "sha256"}}. The directories are fsync'ed once each at the end."""
     root = Path(root)
     info: dict[str, dict[str, Any]] = {}
     dirs: set[Path] = set()
     for rel, data in files.items():
-        final = safe_join(root, rel)
+        final = safe_join(root, rel, reserved_ok=_reserved_ok)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = _tmp_name(final)
         try:
@@ -121,14 +123,14 @@ def write_files_atomic(root: Path, files: dict[str, bytes | bytearray | memoryvi
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     data = (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
-    write_files_atomic(Path(path).parent, {Path(path).name: data})
+    write_files_atomic(Path(path).parent, {Path(path).name: data}, _reserved_ok=True)
 
 
-def safe_join(root: Path, rel: str) -> Path:
+def safe_join(root: Path, rel: str, *, reserved_ok: bool = False) -> Path:
     p = Path(rel)
     if p.is_absolute() or ".." in p.parts or not p.parts:
         raise ValueError(f"refusing to write outside the output dir: {rel!r}")
-    if len(p.parts) == 1 and p.name in RESERVED:
+    if not reserved_ok and len(p.parts) == 1 and p.name in RESERVED:
         raise ValueError(f"{rel!r} is a name the store reserves")
     return root / p
 

@@ -1,0 +1,184 @@
+"""`hsx extract` and `hsx verify` command lines (argparse; `hsx` dispatches here).
+
+Environment variables give defaults for the connection flags: HSX_SERVER (comma-separated
+URLs), HSX_API_KEY, HSX_CONCURRENCY_PER_SERVER, HSX_TIMEOUT, HSX_MAX_ATTEMPTS. A flag on the
+command line wins.
+
+Corpus settings left out take the saved plan's value when DIR already holds a run, else the
+defaults shown in --help; a value that differs from the plan's is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+EXTRACT_EPILOG = """\
+exit codes: 0 corpus complete; 1 stopped on an error (rerun the same command to resume);
+2 refused (usage, settings differ from the plan, dir locked, disk too small, auth);
+130 interrupted (rerun to resume).
+
+Resume: rerun the same command (or `--resume` to insist that DIR holds a run). Samples
+whose files are missing or of the wrong size are redone; after `hsx verify DIR` found bad
+samples (listed in DIR/verify.json), the next run redoes exactly those; `--verify` re-checks
+every stored sample's checksum before resuming.
+"""
+
+
+def _env(name: str, default: Any = None) -> Any:
+    v = os.environ.get(name)
+    return v if v not in (None, "") else default
+
+
+def _layers(s: str) -> list[int]:
+    try:
+        return sorted({int(x) for x in s.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers wants comma-separated integers, got {s!r}") from None
+
+
+def _positive(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"wants a positive integer, got {s}")
+    return v
+
+
+def build_extract_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hsx extract",
+        description="Fan a dataset out over hsx servers and write an EAGLE-3 training corpus.",
+        epilog=EXTRACT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--server", action="append", dest="servers", metavar="URL",
+                   help="hsx server base URL (repeat for several; env HSX_SERVER, comma-separated)")
+    p.add_argument("--input", action="append", dest="inputs", metavar="FILE",
+                   help="JSONL/JSON file, dataset dir or hf:org/name[:split] (repeat for several)")
+    p.add_argument("--output", required=True, type=Path, metavar="DIR", help="corpus directory")
+    p.add_argument("--format", choices=["speculators", "specforge"], help="corpus format (required for a new DIR)")
+    p.add_argument("--mask-policy", choices=["per_turn", "all_turns"],
+                   help="per_turn: one sample per assistant turn (speculators' way); all_turns: every "
+                        "assistant turn of a conversation in one sample (SpecForge's). Default per_turn")
+    p.add_argument("--max-length", type=_positive, metavar="N", help="cut samples to N tokens")
+    p.add_argument("--truncation", choices=["right", "left", "error"],
+                   help="with --max-length: keep the start (right), the end (left), or fail the sample (error). Default right")
+    p.add_argument("--layers", type=_layers, metavar="2,8,13,16", help="layer ids (default: all the server serves)")
+    p.add_argument("--draft-vocab-size", type=_positive, metavar="K", help="write the top-K draft vocab mapping")
+    p.add_argument("--seed", type=int, help="shuffle seed (default 0)")
+    p.add_argument("--shuffle", dest="shuffle", action="store_true", default=None, help="shuffle samples (default)")
+    p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep the input order")
+    p.add_argument("--max-samples", type=_positive, metavar="N", help="only the first N planned samples (after shuffling)")
+    p.add_argument("--concurrency-per-server", type=_positive,
+                   default=int(_env("HSX_CONCURRENCY_PER_SERVER", 8)), help="requests in flight per server (default 8)")
+    p.add_argument("--api-key", default=_env("HSX_API_KEY"), help="bearer token (env HSX_API_KEY)")
+    p.add_argument("--timeout", type=float, default=float(_env("HSX_TIMEOUT", 600.0)), help="seconds per request (default 600)")
+    p.add_argument("--max-attempts", type=_positive, default=int(_env("HSX_MAX_ATTEMPTS", 10)),
+                   help="attempts per request before giving up (default 10)")
+    p.add_argument("--resume", action="store_true", help="require DIR to hold a run, and continue it")
+    p.add_argument("--verify", action="store_true", help="before resuming, re-check every stored sample's checksum")
+    p.add_argument("--retry-failed", action="store_true", help="retry samples that failed with a 4xx or encode error")
+    p.add_argument("--force-disk", action="store_true", help="run even when the disk estimate exceeds free space")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def extract_main(argv: list[str] | None = None) -> int:
+    args = build_extract_parser().parse_args(argv)
+    servers = args.servers or [s for s in str(_env("HSX_SERVER", "")).split(",") if s.strip()]
+    if not servers:
+        print("hsx extract: give at least one --server URL (or HSX_SERVER)", file=sys.stderr)
+        return 2
+    from .extract import ExtractConfig, format_summary, run_extract
+
+    cfg = ExtractConfig(
+        servers=servers,
+        output=args.output,
+        inputs=args.inputs,
+        format=args.format,
+        mask_policy=args.mask_policy,
+        max_length=args.max_length,
+        truncation=args.truncation,
+        layers=args.layers,
+        draft_vocab_size=args.draft_vocab_size,
+        seed=args.seed,
+        shuffle=args.shuffle,
+        max_samples=args.max_samples,
+        concurrency_per_server=args.concurrency_per_server,
+        api_key=args.api_key,
+        timeout=args.timeout,
+        max_attempts=args.max_attempts,
+        resume=args.resume,
+        verify=args.verify,
+        retry_failed=args.retry_failed,
+        force_disk=args.force_disk,
+        quiet=args.quiet,
+        handle_signals=True,
+    )
+    try:
+        result = run_extract(cfg)
+    except KeyboardInterrupt:  # before the handlers were installed
+        print("hsx extract: interrupted (rerun the same command to resume)", file=sys.stderr)
+        return 130
+    summary = dict(result.summary)
+    summary.setdefault("status", result.status)
+    if result.status == "refused":
+        print(f"hsx extract: {summary.get('message')}", file=sys.stderr)
+    elif not args.quiet or result.exit_code != 0:
+        print(format_summary(summary), file=sys.stderr)
+    if args.json:
+        summary["exit_code"] = result.exit_code
+        print(json.dumps(summary, indent=1, default=str))
+    return result.exit_code
+
+
+def build_verify_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hsx verify",
+        description="Re-check a corpus: counts against the plan, every file's size and checksum, "
+        "shapes and token/mask agreement (the format's own check), finalize outputs. Bad samples "
+        "are listed in DIR/verify.json; the next `hsx extract` on DIR redoes exactly those.",
+    )
+    p.add_argument("dir", type=Path, metavar="DIR")
+    p.add_argument("--workers", type=_positive, help="checking threads (default: CPU count, at most 16)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def verify_main(argv: list[str] | None = None) -> int:
+    args = build_verify_parser().parse_args(argv)
+    from .extract import ConfigError, verify_corpus
+    from .store import StoreError
+
+    try:
+        report = verify_corpus(args.dir, quiet=args.quiet, workers=args.workers)
+    except (ConfigError, StoreError) as exc:
+        print(f"hsx verify: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=1))
+    for b in report["bad"][:100]:
+        print(f"BAD {b['index']} ({b['key']}): {'; '.join(b['problems'])}", file=sys.stderr)
+    if len(report["bad"]) > 100:
+        print(f"... and {len(report['bad']) - 100} more (see {args.dir / 'verify.json'})", file=sys.stderr)
+    for p in report["problems"]:
+        print(f"PROBLEM: {p}", file=sys.stderr)
+    verdict = "OK" if report["ok"] else "FAILED"
+    print(
+        f"verify {verdict}: {report['done']}/{report['planned']} samples stored, {report['failed']} failed at "
+        f"extraction, {report['missing']} missing, {report['bad_samples']} bad",
+        file=sys.stderr,
+    )
+    if report["bad"]:
+        print(f"rerun `hsx extract` on {args.dir} to redo the bad samples", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(extract_main())

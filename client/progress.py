@@ -1,0 +1,174 @@
+"""Live progress of `hsx extract` on stderr (tqdm) and the end-of-run summary.
+
+The bar counts samples (done + permanently failed) against the plan, so tqdm's ETA is
+the samples ETA; the postfix shows tokens/s, MB/s on the wire and written to disk,
+retries, errors, failed samples and per-server requests in flight. Rates are averages
+since this run started (a resumed run counts only its own work).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+from .store import fmt_bytes
+
+
+def _short(url: str) -> str:
+    return url.split("://", 1)[-1]
+
+
+class Progress:
+    def __init__(
+        self,
+        total: int,
+        *,
+        initial: int = 0,
+        quiet: bool = False,
+        stream: TextIO | None = None,
+        server_stats: Callable[[], dict[str, dict[str, Any]]] | None = None,
+        min_interval: float = 0.5,
+    ) -> None:
+        self.total = total
+        self.initial = initial
+        self.quiet = quiet
+        self.stream = stream or sys.stderr
+        self.server_stats = server_stats
+        self.min_interval = min_interval
+        self.start = time.monotonic()
+        self.samples = 0
+        self.failed = 0
+        self.tokens = 0
+        self.wire_bytes = 0
+        self.written_bytes = 0
+        self._last_refresh = 0.0
+        self._bar = None
+        if not quiet:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(
+                    total=total,
+                    initial=initial,
+                    file=self.stream,
+                    unit="sample",
+                    dynamic_ncols=True,
+                    smoothing=0.05,
+                    desc="extract",
+                )
+            except ImportError:  # pragma: no cover - tqdm is a dependency
+                self._bar = None
+
+    # ------------------------------------------------------------------ updates
+    def sample_done(self, *, tokens: int, wire_bytes: int, written_bytes: int) -> None:
+        self.samples += 1
+        self.tokens += tokens
+        self.wire_bytes += wire_bytes
+        self.written_bytes += written_bytes
+        if self._bar is not None:
+            self._bar.update(1)
+        self.refresh()
+
+    def sample_failed(self) -> None:
+        self.failed += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        self.refresh()
+
+    def write(self, msg: str) -> None:
+        """A message that does not break the bar."""
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.write(msg, file=self.stream)
+        else:
+            print(msg, file=self.stream, flush=True)
+
+    @property
+    def elapsed(self) -> float:
+        return max(1e-9, time.monotonic() - self.start)
+
+    def _totals(self) -> tuple[int, int]:
+        retries = errors = 0
+        if self.server_stats is not None:
+            for s in self.server_stats().values():
+                retries += s.get("retries", 0)
+                errors += s.get("errors", 0)
+        return retries, errors
+
+    def postfix(self) -> str:
+        el = self.elapsed
+        retries, errors = self._totals()
+        parts = [
+            f"{self.tokens / el:,.0f} tok/s",
+            f"wire {fmt_bytes(self.wire_bytes / el)}/s",
+            f"disk {fmt_bytes(self.written_bytes / el)}/s",
+        ]
+        if retries:
+            parts.append(f"retries {retries}")
+        if errors:
+            parts.append(f"errors {errors}")
+        if self.failed:
+            parts.append(f"failed {self.failed}")
+        if self.server_stats is not None:
+            st = self.server_stats()
+            flights = " ".join(
+                f"{_short(u)}:{s['in_flight']}{'' if s['healthy'] else '(down)'}" for u, s in st.items()
+            )
+            parts.append(f"in-flight {flights}")
+        return ", ".join(parts)
+
+    def refresh(self, force: bool = False) -> None:
+        if self._bar is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_refresh < self.min_interval:
+            return
+        self._last_refresh = now
+        self._bar.set_postfix_str(self.postfix(), refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self.refresh(force=True)
+            self._bar.close()
+            self._bar = None
+
+    # ------------------------------------------------------------------ summary
+    def summary(self) -> dict[str, Any]:
+        el = self.elapsed
+        retries, errors = self._totals()
+        return {
+            "elapsed_s": round(el, 3),
+            "samples_this_run": self.samples,
+            "failed_this_run": self.failed,
+            "tokens_this_run": self.tokens,
+            "samples_per_s": round(self.samples / el, 3),
+            "tokens_per_s": round(self.tokens / el, 1),
+            "wire_bytes": self.wire_bytes,
+            "written_bytes": self.written_bytes,
+            "wire_MB_per_s": round(self.wire_bytes / el / 1e6, 3),
+            "written_MB_per_s": round(self.written_bytes / el / 1e6, 3),
+            "retries": retries,
+            "errors": errors,
+            "servers": self.server_stats() if self.server_stats is not None else {},
+        }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"status: {s.get('status')}  done {s.get('done')}/{s.get('planned')}  failed {s.get('failed')}"
+        f"  remaining {s.get('remaining')}",
+        f"this run: {s.get('samples_this_run', 0)} samples, {s.get('tokens_this_run', 0):,} tokens in "
+        f"{s.get('elapsed_s', 0):.1f}s ({s.get('samples_per_s', 0):.2f} samples/s, "
+        f"{s.get('tokens_per_s', 0):,.0f} tok/s, wire {s.get('wire_MB_per_s', 0):.1f} MB/s, "
+        f"disk {s.get('written_MB_per_s', 0):.1f} MB/s), retries {s.get('retries', 0)}, errors {s.get('errors', 0)}",
+    ]
+    for url, st in (s.get("servers") or {}).items():
+        lines.append(
+            f"  {url}: ok {st.get('ok')} retries {st.get('retries')} errors {st.get('errors')}"
+            f" {'healthy' if st.get('healthy') else 'UNHEALTHY: ' + str(st.get('last_error'))}"
+        )
+    if s.get("message"):
+        lines.append(str(s["message"]))
+    return "\n".join(lines)

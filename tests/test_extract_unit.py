@@ -1,0 +1,390 @@
+"""The extract/verify run loop with a fake format, fake inputs and a MockTransport server."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter, namedtuple
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from hsx import wire
+from hsx_client import extract as ex
+from hsx_client import store
+
+L, H = 4, 8
+
+
+# ------------------------------------------------------------------ fakes
+@dataclass(frozen=True)
+class Sample:
+    key: str
+    source: str
+    request: dict
+
+
+def fake_read_samples(paths, *, mask_policy="per_turn", bad_rows=None, **kw):
+    out = []
+    for p in paths:
+        for n, line in enumerate(Path(p).read_text().splitlines(), 1):
+            row = json.loads(line)
+            if "input_ids" not in row:
+                if bad_rows is not None:
+                    bad_rows.append((p, n, "no input_ids"))
+                continue
+            out.append(Sample(f"{Path(p).name}:{n}", p, {"input_ids": row["input_ids"]}))
+    return out
+
+
+@dataclass
+class FakeCtx:
+    layer_ids: list
+    hidden_size: int
+    dtype: str
+    final_norm: object
+    draft_vocab_size: object
+    vocab_size: object
+    mask_policy: object = None
+
+
+@dataclass
+class SampleOutput:
+    files: dict
+    record: dict = field(default_factory=dict)
+
+
+class Crash(BaseException):
+    """Stands in for a kill: not an Exception, so nothing handles it as a sample error."""
+
+
+class FakeFormat:
+    name = "fake"
+
+    def __init__(self):
+        self.crash_after: int | None = None
+        self.encoded = 0
+        self.lock = threading.Lock()
+
+    def bytes_per_token(self, ctx):
+        return L * H * 4 + 8
+
+    def encode_sample(self, index, decoded, ctx):
+        with self.lock:
+            self.encoded += 1
+            if self.crash_after is not None and self.encoded > self.crash_after:
+                raise Crash("simulated crash")
+        ids = decoded.token_ids
+        data = safetensors.numpy.save({"hidden_states": decoded.hidden_states.numpy(), "token_ids": ids})
+        return SampleOutput({f"hs/hs_{index}.st": data}, {"num_tokens": int(len(ids)), "first": int(ids[0])})
+
+    def finalize(self, out_dir, records, ctx):
+        idx = [i for i, _ in records]
+        assert idx == sorted(idx) and len(set(idx)) == len(idx)
+        (Path(out_dir) / "index.json").write_text(json.dumps(records))
+        return ["index.json"]
+
+    def verify_sample(self, out_dir, index, record):
+        try:
+            t = safetensors.numpy.load_file(str(Path(out_dir) / f"hs/hs_{index}.st"))
+        except Exception as exc:
+            return [f"unreadable: {exc}"]
+        if len(t["token_ids"]) != record["num_tokens"]:
+            return ["token count differs"]
+        return []
+
+
+def hooks(fmt):
+    return ex.Hooks(read_samples=fake_read_samples, get_format=lambda name: fmt, make_context=FakeCtx)
+
+
+class FakeServer:
+    """MockTransport handler: /info, /final_norm, /health, /hidden_states."""
+
+    def __init__(self):
+        self.requests: Counter = Counter()
+        self.bad_ids: set[int] = set()  # first token -> 400
+        self.down = False
+        self.on_request = None
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if self.down and path != "/info" and path != "/final_norm":
+            raise httpx.ConnectError("connection refused")
+        if path == "/health":
+            return httpx.Response(200)
+        if path == "/info":
+            return httpx.Response(200, json={
+                "model": "tiny", "model_revision": "r1", "layer_ids": [1, 2, 3, 4], "num_hidden_layers": 4,
+                "hidden_size": H, "dtype": "float32", "max_model_len": 4096, "vocab_size": 100,
+                "vllm_version": "0.0", "hsx_version": "0.1.0", "chat_template_sha256": None,
+            })
+        if path == "/final_norm":
+            return httpx.Response(200, content=safetensors.numpy.save(
+                {"weight": np.ones(H, np.float32)}, metadata={"eps": "1e-05", "style": "rms"}))
+        body = json.loads(request.content)
+        ids = body["input_ids"]
+        self.requests[body["id"]] += 1
+        if self.on_request is not None:
+            self.on_request(body)
+        if ids[0] in self.bad_ids:
+            return httpx.Response(400, json={"error": {"type": "invalid", "message": "bad sample", "request_id": "r"}})
+        t = len(ids)
+        hs = (np.arange(t * L * H, dtype=np.float32).reshape(t, L, H) + ids[0])
+        specs = [wire.TensorSpec("hidden_states", "F32", (t, L, H)), wire.TensorSpec("token_ids", "I64", (t,))]
+        data = wire.encode_header(specs, {"layer_ids": "[1,2,3,4]"}) + hs.tobytes() + np.asarray(ids, np.int64).tobytes()
+        return httpx.Response(200, content=data, headers={"Content-Type": wire.MEDIA_TYPE})
+
+
+N = 24
+
+
+@pytest.fixture
+def data(tmp_path):
+    p = tmp_path / "in.jsonl"
+    rows = [{"input_ids": [i, i + 1, i + 2][: 1 + i % 3]} for i in range(N)] + [{"text": "bad row"}]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return p
+
+
+def cfg_for(data, out, **kw):
+    base = dict(
+        servers=["http://s1", "http://s2"], output=out, inputs=[str(data)], format="fake", seed=7,
+        concurrency_per_server=3, quiet=True, max_attempts=3, unhealthy_cooldown=0.05, write_workers=3,
+    )
+    base.update(kw)
+    return ex.ExtractConfig(**base)
+
+
+def run(cfg, fmt, server):
+    return ex.run_extract(cfg, hooks(fmt), transport=httpx.MockTransport(server))
+
+
+def manifest_done(out):
+    entries, _, _ = store.read_jsonl(out / store.MANIFEST_NAME)
+    return store.latest_by_index(entries), entries
+
+
+# ------------------------------------------------------------------ tests
+def test_full_run_and_verify(tmp_path, data):
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    r = run(cfg_for(data, out), fmt, srv)
+    assert r.exit_code == 0, r.summary
+    assert r.summary["done"] == N and r.summary["bad_rows"] == 1
+    done, entries = manifest_done(out)
+    assert sorted(done) == list(range(N)) and len(entries) == N
+    plan = json.loads((out / "plan.json").read_text())
+    assert sorted(plan["keys"]) == sorted(f"in.jsonl:{n}" for n in range(1, N + 1))
+    assert plan["keys"] != [f"in.jsonl:{n}" for n in range(1, N + 1)]  # shuffled
+    for i, e in done.items():  # index i holds the sample planned at i
+        assert e["key"] == plan["keys"][i]
+        first = int(e["key"].split(":")[1]) - 1
+        assert e["record"]["first"] == first
+    corpus = json.loads((out / "hsx_corpus.json").read_text())
+    assert corpus["counts"]["done"] == N and corpus["model"] == "tiny" and corpus["seed"] == 7
+    assert corpus["layer_ids"] == [1, 2, 3, 4] and "index.json" in corpus["finalize_files"]
+    assert all(v == 1 for v in srv.requests.values()) and len(srv.requests) == N
+    rep = ex.verify_corpus(out, hooks(fmt))
+    assert rep["ok"], rep
+    # rerunning the finished command does nothing
+    r2 = run(cfg_for(data, out), fmt, srv)
+    assert r2.exit_code == 0 and sum(srv.requests.values()) == N
+
+
+def test_crash_then_resume_gives_each_sample_once(tmp_path, data):
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    fmt.crash_after = 9
+    r = run(cfg_for(data, out), fmt, srv)
+    assert r.exit_code == 1 and r.status == "error"
+    assert not (out / "hsx_corpus.json").exists()
+    done1, _ = manifest_done(out)
+    assert 0 < len(done1) <= 9
+    # what a kill -9 leaves: a temp file and a torn manifest line
+    (out / "hs" / f".hs_999.st{store.TMP_MARK}1-dead").write_bytes(b"partial")
+    with open(out / store.MANIFEST_NAME, "ab") as f:
+        f.write(b'{"key": "in.jsonl:1", "index": 0, "fi')
+    fmt.crash_after = None
+    srv.requests.clear()
+    r = run(cfg_for(data, out), fmt, srv)
+    assert r.exit_code == 0, r.summary
+    done, entries = manifest_done(out)
+    assert sorted(done) == list(range(N))
+    assert Counter(e["index"] for e in entries) == Counter(range(N))  # no duplicates
+    plan = json.loads((out / "plan.json").read_text())
+    redone = set(srv.requests)
+    assert redone == {plan["keys"][i] for i in range(N) if i not in done1}  # only the missing ones
+    assert not list(out.rglob(f"*{store.TMP_MARK}*"))
+    assert ex.verify_corpus(out, hooks(fmt))["ok"]
+
+
+def test_interrupt_then_resume(tmp_path, data):
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    extractor = ex.Extractor(cfg_for(data, out), hooks(fmt), transport=httpx.MockTransport(srv))
+    seen = []
+
+    def on_request(body):
+        seen.append(body["id"])
+        if len(seen) == 5:
+            extractor.request_stop("interrupted")
+
+    srv.on_request = on_request
+    import asyncio
+
+    r = asyncio.run(extractor.run())
+    assert r.exit_code == 130 and r.status == "interrupted"
+    done1, _ = manifest_done(out)
+    assert len(done1) < N
+    srv.on_request = None
+    r = run(cfg_for(data, out, resume=True), fmt, srv)
+    assert r.exit_code == 0
+    done, entries = manifest_done(out)
+    assert sorted(done) == list(range(N)) and len(entries) == N
+
+
+def test_bad_request_recorded_and_skipped(tmp_path, data):
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    srv.bad_ids = {3, 5}
+    r = run(cfg_for(data, out), fmt, srv)
+    assert r.exit_code == 0 and r.summary["failed"] == 2 and r.summary["done"] == N - 2
+    failed, _, _ = store.read_jsonl(out / store.FAILED_NAME)
+    assert {f["key"] for f in failed} == {"in.jsonl:4", "in.jsonl:6"}
+    assert all(f["kind"] == "bad_request" and f["status"] == 400 for f in failed)
+    corpus = json.loads((out / "hsx_corpus.json").read_text())
+    assert len(corpus["failed_indices"]) == 2 and corpus["counts"]["failed"] == 2
+    assert ex.verify_corpus(out, hooks(fmt))["ok"]
+    srv.requests.clear()
+    assert run(cfg_for(data, out), fmt, srv).exit_code == 0 and not srv.requests  # not retried
+    srv.bad_ids = set()
+    r = run(cfg_for(data, out, retry_failed=True), fmt, srv)
+    assert r.exit_code == 0 and r.summary["done"] == N and sum(srv.requests.values()) == 2
+
+
+def test_settings_mismatch_refused(tmp_path, data):
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    fmt.crash_after = 2
+    run(cfg_for(data, out), fmt, srv)
+    r = run(cfg_for(data, out, seed=8, max_length=512), fmt, srv)
+    assert r.exit_code == 2
+    assert "--seed" in r.summary["message"] and "--max-length" in r.summary["message"]
+    data.write_text(data.read_text() + json.dumps({"input_ids": [1, 2]}) + "\n")
+    r = run(cfg_for(data, out), fmt, srv)
+    assert r.exit_code == 2 and "inputs differ" in r.summary["message"]
+
+
+def test_verify_finds_corruption_and_resume_redoes_exactly_those(tmp_path, data):
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    assert run(cfg_for(data, out), fmt, srv).exit_code == 0
+    done, _ = manifest_done(out)
+    flip = out / f"hs/hs_{3}.st"
+    b = bytearray(flip.read_bytes())
+    b[-1] ^= 0xFF  # same size, corrupt content
+    flip.write_bytes(bytes(b))
+    trunc = out / f"hs/hs_{10}.st"
+    trunc.write_bytes(trunc.read_bytes()[:-7])
+    rep = ex.verify_corpus(out, hooks(fmt))
+    assert not rep["ok"] and sorted(x["index"] for x in rep["bad"]) == [3, 10]
+    assert (out / store.VERIFY_NAME).exists()
+    srv.requests.clear()
+    r = run(cfg_for(data, out), fmt, srv)
+    assert r.exit_code == 0, r.summary
+    assert set(srv.requests) == {done[3]["key"], done[10]["key"]}
+    assert not (out / store.VERIFY_NAME).exists()
+    assert ex.verify_corpus(out, hooks(fmt))["ok"]
+
+
+def test_truncated_file_redone_on_resume_without_verify(tmp_path, data):
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    assert run(cfg_for(data, out), fmt, srv).exit_code == 0
+    done, _ = manifest_done(out)
+    p = out / "hs/hs_5.st"
+    p.write_bytes(p.read_bytes()[:10])
+    srv.requests.clear()
+    assert run(cfg_for(data, out), fmt, srv).exit_code == 0
+    assert set(srv.requests) == {done[5]["key"]}
+    # --verify catches a same-size corruption without a prior `hsx verify`
+    p = out / "hs/hs_6.st"
+    b = bytearray(p.read_bytes())
+    b[-2] ^= 1
+    p.write_bytes(bytes(b))
+    srv.requests.clear()
+    assert run(cfg_for(data, out, verify=True), fmt, srv).exit_code == 0
+    assert set(srv.requests) == {done[6]["key"]}
+
+
+def test_lock_excludes_second_writer(tmp_path, data):
+    out = tmp_path / "out"
+    lock = store.DirLock(out).acquire()
+    try:
+        r = run(cfg_for(data, out), FakeFormat(), FakeServer())
+        assert r.exit_code == 2 and "in use" in r.summary["message"]
+    finally:
+        lock.release()
+
+
+def test_disk_refusal_and_force(tmp_path, data, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(store.shutil, "disk_usage", lambda p: Usage(10**9, 0, 1000))
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    r = run(cfg_for(data, out), fmt, srv)
+    assert r.exit_code == 2 and "--force-disk" in r.summary["message"]
+    assert not srv.requests
+    assert run(cfg_for(data, out, force_disk=True), fmt, srv).exit_code == 0
+
+
+def test_servers_down_stops_resumable(tmp_path, data):
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    srv.down = True
+    r = run(cfg_for(data, out, max_attempts=2), fmt, srv)
+    assert r.exit_code == 1 and "stopped" in r.summary["message"]
+    srv.down = False
+    r = run(cfg_for(data, out), fmt, srv)
+    assert r.exit_code == 0 and r.summary["done"] == N
+
+
+def test_estimate_tokens():
+    assert ex.estimate_tokens({"input_ids": list(range(100))}, 50, None) == 50
+    assert ex.estimate_tokens({"prompt": "x" * 300}, None, None) == 101
+    m = {"messages": [{"role": "user", "content": "a" * 90}, {"role": "assistant", "content": [{"type": "text", "text": "b" * 30}]}]}
+    assert ex.estimate_tokens(m, None, 20) == 20
+    assert ex.estimate_tokens(m, None, None) == (90 + 30 + 64) // 3 + 1
+
+
+def test_cli_extract_and_verify(tmp_path, data, monkeypatch, capsys):
+    from hsx_client import cli
+
+    fmt, srv = FakeFormat(), FakeServer()
+    orig = ex.run_extract
+    monkeypatch.setattr(ex, "run_extract", lambda cfg: orig(cfg, hooks(fmt), transport=httpx.MockTransport(srv)))
+    monkeypatch.setattr(ex, "default_hooks", lambda: hooks(fmt))
+    out = tmp_path / "out"
+    rc = cli.extract_main(["--server", "http://s1", "--input", str(data), "--output", str(out),
+                           "--format", "speculators", "--layers", "4,2", "--quiet", "--json", "--no-shuffle"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    summary = json.loads(cap.out)
+    assert summary["status"] == "complete" and summary["done"] == N and summary["exit_code"] == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["settings"]["layers"] == [2, 4] and plan["settings"]["shuffle"] is False
+    assert plan["keys"] == [f"in.jsonl:{n}" for n in range(1, N + 1)]
+    assert cli.verify_main([str(out), "--quiet"]) == 0
+    (out / "hs/hs_0.st").write_bytes(b"garbage")
+    assert cli.verify_main([str(out), "--quiet", "--json"]) == 1
+    cap = capsys.readouterr()
+    assert "BAD 0" in cap.err and json.loads(cap.out)["bad_samples"] == 1
+    # --layers the server lacks
+    rc = cli.extract_main(["--server", "http://s1", "--input", str(data), "--output", str(tmp_path / "o2"),
+                           "--format", "speculators", "--layers", "5", "--quiet"])
+    assert rc == 2 and "serves layers" in capsys.readouterr().err
