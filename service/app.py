@@ -1,0 +1,292 @@
+"""The FastAPI app: routes, request-id / size / auth middleware, state accessors.
+
+The engine is built before the app (cli.py validates the settings first, then
+the lifespan starts vLLM in the background), so the port answers at once:
+/health is 200 while loading, /ready 503 until the engine serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from hsx import __version__ as hsx_version
+from hsx.wire import MEDIA_TYPE, TensorSpec, encode_header
+from hsx_service.errors import (
+    NotAvailable,
+    NotReady,
+    error_body,
+    install_error_handlers,
+)
+from hsx_service.metrics import Metrics
+from hsx_service.protocol import HiddenStatesRequest
+from hsx_service.response import accepts_zstd
+from hsx_service.settings import ServiceSettings
+
+log = logging.getLogger("hsx.app")
+
+PUBLIC_PATHS = ("/health", "/ready", "/metrics")
+GUARDED_PATHS = ("/hidden_states", "/info", "/final_norm")
+DOC_PATHS = ("/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc")
+
+
+@dataclass
+class ServerState:
+    """Everything the routes read, kept on app.state.hsx."""
+
+    settings: ServiceSettings
+    extractor: Any  # hsx_service.engine.Extractor
+    metrics: Metrics = field(default_factory=Metrics)
+    service: Any = None  # HiddenStatesService once the engine is up
+    final_norm: Any = None
+    final_norm_error: str | None = None
+    loading: bool = True
+    startup_error: str | None = None
+    on_engine_dead: Any = None  # callable, set by cli.py: exit non-zero
+    on_startup_failed: Any = None
+
+
+def state(request: Request) -> ServerState:
+    return request.app.state.hsx
+
+
+class GuardMiddleware:
+    """Request id, API key and body-size checks, as plain ASGI (streams untouched)."""
+
+    def __init__(self, app, settings: ServiceSettings):
+        self.app = app
+        self.keys = [k.encode() for k in settings.api_key]
+        self.max_body = settings.max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        rid = rid[:128]
+        scope.setdefault("state", {})["request_id"] = rid
+        path = scope["path"]
+
+        async def reply(status: int, type_: str, message: str, extra: dict | None = None):
+            resp = JSONResponse(error_body(status, type_, message, rid), status_code=status,
+                                headers={"X-Request-Id": rid, **(extra or {})})
+            await resp(scope, receive, send)
+
+        if self.keys and path in GUARDED_PATHS:
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            given = token.strip().encode()
+            # Compare against every key (no early exit) in constant time per key.
+            ok = False
+            for key in self.keys:
+                ok |= hmac.compare_digest(given, key)
+            if scheme.lower() != "bearer" or not ok:
+                return await reply(401, "unauthorized", "missing or invalid API key (Authorization: Bearer KEY)",
+                                   {"WWW-Authenticate": "Bearer"})
+        if path == "/hidden_states" and scope["method"] == "POST":
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                return await reply(415, "unsupported_media_type",
+                                   f"send the request as Content-Type: application/json (got {ctype or 'none'!r})")
+            length = headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body:
+                return await reply(413, "too_large",
+                                   f"request body of {length} bytes exceeds the limit of {self.max_body} bytes")
+            receive = self._limited(receive, rid)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                hdrs = list(message.get("headers", []))
+                if not any(k.lower() == b"x-request-id" for k, _ in hdrs):
+                    hdrs.append((b"x-request-id", rid.encode("latin-1")))
+                message = {**message, "headers": hdrs}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+    def _limited(self, receive, rid):
+        seen = 0
+        limit = self.max_body
+
+        async def wrapped():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    from hsx_service.errors import TooLarge
+
+                    raise TooLarge(f"request body exceeds the limit of {limit} bytes")
+            return message
+
+        return wrapped
+
+
+def create_app(st: ServerState) -> FastAPI:
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(_start_engine(st), name="hsx-engine-start")
+        watch = asyncio.create_task(_watch_engine(st), name="hsx-engine-watch")
+        try:
+            yield
+        finally:
+            watch.cancel()
+            task.cancel()
+            st.extractor.shutdown()
+
+    app = FastAPI(
+        title="hsx",
+        version=hsx_version,
+        description="Hidden states of a vLLM-served model for every token of a prompt or chat, for EAGLE-3 training.",
+        lifespan=lifespan,
+    )
+    app.state.hsx = st
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, settings=st.settings)
+
+    @app.get("/health", summary="Liveness: 503 once the engine is dead")
+    async def health(request: Request):
+        s = state(request)
+        if s.startup_error or s.extractor.dead:
+            return JSONResponse({"status": "dead", "error": s.startup_error or "engine died"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/ready", summary="Readiness: 503 while loading or draining")
+    async def ready(request: Request):
+        s = state(request)
+        if s.service is None or s.loading:
+            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
+        if s.service.draining:
+            return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
+        if s.extractor.dead:
+            return JSONResponse({"status": "dead"}, status_code=503)
+        return {"status": "ready"}
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics(request: Request):
+        s = state(request)
+        if s.service is not None:
+            s.service._gauges()
+        return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/info", summary="Model, layers, hidden size, dtype, limits, versions")
+    async def info(request: Request):
+        s = _serving(request)
+        f = s.extractor.facts
+        norm = s.final_norm
+        return {
+            "model": f.served_model_name,
+            "model_path": f.model,
+            "model_revision": f.revision,
+            "architecture": f.architecture,
+            "layer_ids": f.layer_ids,
+            "num_hidden_layers": f.num_hidden_layers,
+            "hidden_size": f.hidden_size,
+            "dtype": f.dtype,
+            "max_model_len": f.max_model_len,
+            "max_tokens_per_request": s.service.max_tokens,
+            "vocab_size": f.vocab_size,
+            "last_layer_pre_norm": True,
+            "final_norm": None if norm is None else {"eps": norm.eps, "style": norm.style, "tensor": norm.tensor_name},
+            "chat_template_sha256": s.service.tokenizer.template_sha256,
+            "vllm_version": f.vllm_version,
+            "hsx_version": hsx_version,
+        }
+
+    @app.get(
+        "/final_norm",
+        summary="The final norm's weight (float32), epsilon and style, as safetensors",
+        response_class=Response,
+        responses={200: {"content": {MEDIA_TYPE: {}}}},
+    )
+    async def final_norm(request: Request):
+        s = _serving(request)
+        norm = s.final_norm
+        if norm is None:
+            raise NotAvailable(f"the final norm could not be read from the checkpoint: {s.final_norm_error}")
+        data = norm.weight.astype("float32").tobytes()
+        header = encode_header(
+            [TensorSpec("weight", "F32", (len(norm.weight),))],
+            {"eps": repr(norm.eps), "style": norm.style, "tensor": norm.tensor_name},
+        )
+        return Response(header + data, media_type=MEDIA_TYPE)
+
+    @app.post(
+        "/hidden_states",
+        summary="Prefill one input and return its hidden states as a safetensors body",
+        response_class=StreamingResponse,
+        responses={
+            200: {"content": {MEDIA_TYPE: {}}, "description": "safetensors: hidden_states [T, L, H], token_ids, loss_mask"},
+            400: {"description": "bad input"},
+            401: {"description": "missing or wrong API key"},
+            413: {"description": "body or token count over the limit"},
+            503: {"description": "full or draining; retry after Retry-After seconds"},
+        },
+    )
+    async def hidden_states(body: HiddenStatesRequest, request: Request):
+        s = _serving(request)
+        rid = request.state.request_id
+        headers, stream = await s.service.run(body, rid, accepts_zstd(request.headers.get("accept-encoding")))
+        return StreamingResponse(stream, media_type=MEDIA_TYPE, headers=headers)
+
+    return app
+
+
+def _serving(request: Request) -> ServerState:
+    s = state(request)
+    if s.service is None:
+        raise NotReady("the engine is still loading; retry shortly", retry_after=5)
+    return s
+
+
+async def _start_engine(st: ServerState) -> None:
+    from hsx_service.norm import load_final_norm
+    from hsx_service.serving import HiddenStatesService
+    from hsx_service.tokenize import Tokenizer
+
+    try:
+        await st.extractor.start()
+        f = st.extractor.facts
+        template = None
+        if st.settings.chat_template:
+            with open(st.settings.chat_template) as fh:
+                template = fh.read()
+        tokenizer = await asyncio.to_thread(Tokenizer, f.tokenizer, f.tokenizer_revision, f.trust_remote_code, template)
+        try:
+            st.final_norm = await asyncio.to_thread(
+                load_final_norm, f.model, f.revision, st.extractor.text_config
+            )
+        except Exception as exc:  # served anyway; /final_norm explains
+            st.final_norm_error = str(exc)
+            log.warning("final norm unavailable: %s", exc)
+        st.service = HiddenStatesService(st.settings, st.extractor, tokenizer, st.metrics)
+        await st.extractor.self_test()
+        st.loading = False
+        log.info("ready: %s, layers %s", f.served_model_name, f.layer_ids)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("engine start failed")
+        st.startup_error = f"engine start failed: {exc}"
+        if st.on_startup_failed:
+            st.on_startup_failed(st.startup_error)
+
+
+async def _watch_engine(st: ServerState) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        if st.extractor.dead:
+            log.error("the vLLM engine died; exiting so the orchestrator restarts this server")
+            if st.on_engine_dead:
+                st.on_engine_dead()
+            return

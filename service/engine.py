@@ -1,0 +1,356 @@
+"""The engine: vLLM's AsyncLLM set up for prefill-only hidden-state capture.
+
+`build_engine_config` checks what can be refused before any GPU is touched
+(vLLM version, parallelism, architecture, layer ids) and wires the
+`extract_hidden_states` speculative method to hsx's connector. `Extractor` runs
+one request: reserve an arena range, prefill with max_tokens=1, wait for the
+worker's copy notice, hand the range to the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from packaging.version import Version
+
+from hsx_service.arena import Allocator, ArenaFull, ArenaTooSmall, Extent, SharedArena
+from hsx_service.errors import EngineFailure, Overloaded, StartupError
+from hsx_service.settings import ServiceSettings
+
+log = logging.getLogger("hsx.engine")
+
+MIN_VLLM = Version("0.26.0")
+MAX_VLLM_EXCLUSIVE = Version("0.34.0")
+TP_OK_FROM = Version("0.31.0")  # 0.30 leaks KV blocks with TP > 1 and this method
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def check_vllm_version(version: str) -> None:
+    v = Version(version)
+    if not (MIN_VLLM <= Version(v.base_version) < MAX_VLLM_EXCLUSIVE):
+        raise StartupError(
+            f"vLLM {version} is not supported: hsx needs vLLM >= {MIN_VLLM} and < {MAX_VLLM_EXCLUSIVE} "
+            "(the extract_hidden_states method and the connector API it uses)."
+        )
+
+
+def check_parallelism(version: str, tensor_parallel: int, pipeline_parallel: int) -> None:
+    if pipeline_parallel > 1:
+        raise StartupError(
+            "pipeline parallel (--pipeline-parallel-size > 1) is not supported: vLLM's "
+            "extract_hidden_states method does not support it. Use tensor parallel or replicas."
+        )
+    if tensor_parallel > 1 and Version(Version(version).base_version) < TP_OK_FROM:
+        raise StartupError(
+            f"--tensor-parallel-size {tensor_parallel} needs vLLM >= {TP_OK_FROM} with hidden-state "
+            f"extraction (vLLM {version} leaks KV blocks); use TP 1 replicas or upgrade vLLM."
+        )
+
+
+def default_layers(n: int) -> list[int]:
+    """speculators' convention [2, N//2, N-3, N], kept inside 0..N, deduplicated."""
+    return sorted({min(max(k, 0), n) for k in (2, n // 2, n - 3, n)})
+
+
+def resolve_layers(requested: list[int] | None, n: int) -> list[int]:
+    if not requested:
+        return default_layers(n)
+    bad = [k for k in requested if not 0 <= k <= n]
+    if bad:
+        raise StartupError(
+            f"--layers {','.join(map(str, requested))}: ids {bad} are outside 0..{n} "
+            f"(this model has {n} decoder layers; id k is the residual stream after k layers, "
+            f"id {n} the last layer's output before the final norm)"
+        )
+    return sorted(set(requested))
+
+
+@dataclass
+class ModelFacts:
+    model: str
+    revision: str | None
+    served_model_name: str
+    architecture: str
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: str  # torch name without the prefix: bfloat16, float16, float32
+    max_model_len: int
+    layer_ids: list[int]
+    tokenizer: str
+    tokenizer_revision: str | None
+    trust_remote_code: bool
+    vllm_version: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: SharedArena, notify_address: str):
+    """Validate and return (VllmConfig, ModelFacts). Raises StartupError with the reason."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    version = vllm_version()
+    check_vllm_version(version)
+    check_parallelism(version, engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size)
+    if getattr(engine_args, "speculative_config", None):
+        raise StartupError("--speculative-config cannot be combined with hsx: it sets its own (extract_hidden_states)")
+    if getattr(engine_args, "kv_transfer_config", None):
+        raise StartupError("--kv-transfer-config cannot be combined with hsx: it installs its own connector")
+
+    model = str(engine_args.model)
+    if model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(model)):
+        raise StartupError(f"model directory {model!r} does not exist")
+    try:
+        model_config = engine_args.create_model_config()
+    except Exception as exc:
+        raise StartupError(f"cannot load model {model!r}: {' '.join(str(exc).split())[:600]}") from exc
+    architectures = list(getattr(model_config.hf_config, "architectures", None) or [])
+    try:
+        model_cls, arch = ModelRegistry.resolve_model_cls(architectures, model_config)
+    except Exception as exc:
+        raise StartupError(f"vLLM cannot load architecture {architectures}: {exc}") from exc
+    if not supports_eagle3(model_cls):
+        raise StartupError(
+            f"architecture {arch} does not implement vLLM's EAGLE-3 aux-hidden-state interface "
+            "(SupportsEagle3), so its hidden states cannot be captured. Supported: Llama, Qwen2/3, "
+            "Mistral, DeepSeek, GPT-OSS and others listed by vLLM."
+        )
+    text_config = model_config.hf_text_config
+    n = int(text_config.num_hidden_layers)
+    layers = resolve_layers(settings.layers, n)
+
+    engine_args.speculative_config = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
+    }
+    engine_args.kv_transfer_config = {
+        "kv_connector": "HsxConnector",
+        "kv_connector_module_path": "hsx_service.connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "arena_path": arena.path,
+            "arena_size": arena.size,
+            "notify_address": notify_address,
+        },
+    }
+    try:
+        vllm_config = engine_args.create_engine_config()
+    except Exception as exc:
+        raise StartupError(f"vLLM rejected the engine settings: {exc}") from exc
+    mc = vllm_config.model_config
+    served = mc.served_model_name
+    facts = ModelFacts(
+        model=mc.model,
+        revision=mc.revision,
+        served_model_name=served[0] if isinstance(served, (list, tuple)) else str(served or mc.model),
+        architecture=arch,
+        model_type=str(getattr(text_config, "model_type", "")),
+        num_hidden_layers=n,
+        hidden_size=int(mc.get_hidden_size()),
+        vocab_size=int(mc.get_vocab_size()),
+        dtype=_dtype_name(mc.dtype),
+        max_model_len=int(mc.max_model_len),
+        layer_ids=layers,
+        tokenizer=mc.tokenizer,
+        tokenizer_revision=getattr(mc, "tokenizer_revision", None),
+        trust_remote_code=bool(mc.trust_remote_code),
+        vllm_version=version,
+    )
+    return vllm_config, facts
+
+
+class Notices:
+    """PULL side of the completion channel: one future per submitted request key."""
+
+    def __init__(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self.address = f"ipc://{tempfile.gettempdir()}/hsx-notify-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+        self._sock.bind(self.address)
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="hsx-notices")
+
+    def expect(self, key: str) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[key] = fut
+        return fut
+
+    async def _run(self) -> None:
+        while True:
+            msg = json.loads(await self._sock.recv())
+            fut = self._waiters.pop(msg["key"], None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        self._sock.close(linger=0)
+        self._ctx.term()
+        path = self.address.removeprefix("ipc://")
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+class Extractor:
+    """Owns the AsyncLLM, the arena and the notices; one `extract` per request."""
+
+    def __init__(self, settings: ServiceSettings, engine_args: Any):
+        self.settings = settings
+        self._engine_args = engine_args
+        self.arena: SharedArena | None = None
+        self.allocator: Allocator | None = None
+        self.notices: Notices | None = None
+        self.engine: Any = None
+        self.facts: ModelFacts | None = None
+        self.itemsize = 2
+        self.engine_running = 0  # requests submitted to the engine and not yet finished
+        self.vllm_config: Any = None
+        self.text_config: Any = None
+
+    def prepare(self) -> None:
+        """Fast checks and set-up, before the port opens. Raises StartupError."""
+        self.arena = SharedArena.create(self.settings.shm_dir, self.settings.arena_bytes)
+        self.allocator = Allocator(self.arena.size)
+        self.notices = Notices()
+        self.vllm_config, self.facts = build_engine_config(
+            self._engine_args, self.settings, self.arena, self.notices.address
+        )
+        self.text_config = self.vllm_config.model_config.hf_text_config
+        import torch
+
+        self.itemsize = torch.empty((), dtype=getattr(torch, self.facts.dtype)).element_size()
+
+    async def start(self) -> None:
+        """Start vLLM (tens of seconds to minutes) without blocking the event loop."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        assert self.notices is not None and self.facts is not None
+        self.notices.start()
+        log.info(
+            "starting vLLM %s on %s: layers %s of %d, hidden %d, %s",
+            self.facts.vllm_version, self.facts.model, self.facts.layer_ids,
+            self.facts.num_hidden_layers, self.facts.hidden_size, self.facts.dtype,
+        )
+        self.engine = await asyncio.to_thread(AsyncLLM.from_vllm_config, self.vllm_config, disable_log_stats=True)
+        # Workers have mapped the arena; drop its name so nothing outlives a crash.
+        self.arena.unlink()
+
+    async def self_test(self) -> None:
+        """One tiny request through the whole path: proves every layer is captured."""
+        assert self.facts is not None
+        ids = [i % self.facts.vocab_size for i in range(1, 5)]
+        layers = list(range(len(self.facts.layer_ids)))
+        extent = self.reserve(len(ids), len(layers))
+        try:
+            await self.extract(ids, layers, extent, f"hsx-self-test-{uuid.uuid4().hex[:8]}")
+        except EngineFailure as exc:
+            raise StartupError(
+                f"self-test failed: {exc}. The architecture may not expose layers {self.facts.layer_ids} "
+                "through vLLM's aux-hidden-state interface."
+            ) from exc
+        self.free(extent)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.notices is not None:
+            self.notices.close()
+        if self.arena is not None:
+            self.arena.close()
+
+    @property
+    def dead(self) -> bool:
+        return self.engine is not None and bool(self.engine.errored)
+
+    def bytes_for(self, num_tokens: int, num_layers: int) -> int:
+        assert self.facts is not None
+        return num_tokens * num_layers * self.facts.hidden_size * self.itemsize
+
+    def reserve(self, num_tokens: int, num_layers: int) -> Extent:
+        assert self.allocator is not None
+        try:
+            return self.allocator.allocate(self.bytes_for(num_tokens, num_layers))
+        except ArenaFull as exc:
+            raise Overloaded(f"response memory is full ({exc}); retry shortly") from exc
+        except ArenaTooSmall as exc:
+            raise ArenaTooSmall(
+                f"the states of {num_tokens} tokens x {num_layers} layers need {self.bytes_for(num_tokens, num_layers)} "
+                f"bytes, more than the whole arena (--arena-bytes {self.settings.arena_bytes})"
+            ) from exc
+
+    def free(self, extent: Extent) -> None:
+        assert self.allocator is not None
+        self.allocator.free(extent)
+
+    async def extract(self, token_ids: list[int], layer_index: list[int], extent: Extent, request_id: str) -> None:
+        """Prefill `token_ids`; on return the states are in `extent`. The caller frees
+        the extent only through `release_after`, which waits for the worker's notice."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        assert self.notices is not None
+        key = uuid.uuid4().hex
+        notice = self.notices.expect(key)
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            detokenize=False,
+            extra_args={
+                "kv_transfer_params": {
+                    "hsx": {"key": key, "offset": extent.offset, "nbytes": extent.nbytes, "layers": layer_index}
+                }
+            },
+        )
+        submitted = False
+        self.engine_running += 1
+        try:
+            stream = self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id)
+            submitted = True
+            async for _ in stream:
+                pass
+            msg = await asyncio.wait_for(asyncio.shield(notice), self.settings.request_timeout)
+        except BaseException:
+            if submitted:
+                # The engine may still write this range: free it only on the notice.
+                asyncio.get_running_loop().create_task(self._release_on_notice(notice, extent, key))
+            else:
+                self.free(extent)
+            raise
+        finally:
+            self.engine_running -= 1
+        if not msg["ok"]:
+            self.free(extent)
+            raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
+
+    async def _release_on_notice(self, notice: asyncio.Future, extent: Extent, key: str) -> None:
+        try:
+            await asyncio.wait_for(notice, self.settings.request_timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            log.warning("no notice for aborted request %s; freeing its arena range after timeout", key)
+        self.free(extent)

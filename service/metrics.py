@@ -1,0 +1,38 @@
+"""Prometheus metrics, one registry per app (no module globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("hsx_requests", "Finished /hidden_states requests", ["status"], registry=r)
+        self.rejected = Counter("hsx_rejected", "Requests refused at admission", ["reason"], registry=r)
+        self.tokens = Counter("hsx_tokens", "Prompt tokens whose states were returned", registry=r)
+        self.raw_bytes = Counter("hsx_hidden_state_bytes", "Response bytes before compression", registry=r)
+        self.wire_bytes = Counter("hsx_response_bytes", "Response bytes sent (after compression)", registry=r)
+        self.compression_ratio = Gauge(
+            "hsx_compression_ratio", "Raw over wire bytes, all responses so far", registry=r
+        )
+        self.inflight = Gauge("hsx_inflight_requests", "Requests admitted and not finished", registry=r)
+        self.queued_tokens = Gauge("hsx_queued_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.engine_running = Gauge("hsx_engine_requests", "Requests inside the vLLM engine", registry=r)
+        self.arena_used = Gauge("hsx_arena_used_bytes", "Shared-memory arena bytes held by requests", registry=r)
+        self.latency = Histogram(
+            "hsx_request_seconds",
+            "Time from admission to the last body byte",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self._raw_total = 0
+        self._wire_total = 0
+
+    def sent(self, raw: int, wire: int) -> None:
+        self.raw_bytes.inc(raw)
+        self.wire_bytes.inc(wire)
+        self._raw_total += raw
+        self._wire_total += wire
+        if self._wire_total:
+            self.compression_ratio.set(self._raw_total / self._wire_total)

@@ -1,0 +1,63 @@
+"""Request schema of POST /hidden_states (pydantic; the OpenAPI schema comes from it)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls, name, tool_call_id ... go to the template
+
+    role: str = Field(..., min_length=1)
+    content: str | list[dict[str, Any]] | None = None
+
+
+class HiddenStatesRequest(BaseModel):
+    """Exactly one of `input_ids`, `prompt`, `messages`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = Field(None, max_length=256, description="The caller's id, echoed in the metadata")
+    input_ids: list[StrictInt] | None = Field(None, description="Token ids, used as they are")
+    loss_mask: list[Literal[0, 1]] | None = Field(None, description="0/1 per input id (with input_ids only)")
+    prompt: str | None = Field(None, description="Text, tokenized with the model's tokenizer")
+    messages: list[ChatMessage] | None = Field(None, description="A chat, rendered with the chat template")
+    tools: list[dict[str, Any]] | None = Field(None, description="Tool definitions passed to the template")
+    chat_template: str | None = Field(None, max_length=200_000, description="Jinja template overriding the server's")
+    assistant_mask: Literal["all", "last"] = Field(
+        "all", description="Supervise every assistant turn, or only the last one"
+    )
+    add_special_tokens: bool = Field(True, description="For `prompt`: add the tokenizer's BOS etc.")
+    layers: list[StrictInt] | None = Field(None, description="A subset of the served layer ids")
+    max_length: int | None = Field(None, ge=1, description="Keep at most this many tokens")
+    truncation: Literal["error", "right", "left"] = Field(
+        "error", description="Over max_length: refuse, or drop tokens at the end / at the start"
+    )
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "HiddenStatesRequest":
+        given = [k for k in ("input_ids", "prompt", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of input_ids, prompt, messages"
+                + (f" (got {', '.join(given)})" if given else " (got none)")
+            )
+        if self.loss_mask is not None and self.input_ids is None:
+            raise ValueError("loss_mask goes with input_ids only (for messages the server computes it)")
+        if (self.tools is not None or self.chat_template is not None) and self.messages is None:
+            raise ValueError("tools and chat_template go with messages only")
+        if self.input_ids is not None and not self.input_ids:
+            raise ValueError("input_ids is empty")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt is empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.input_ids or []):
+            raise ValueError(
+                f"loss_mask has {len(self.loss_mask)} entries for {len(self.input_ids or [])} input_ids"
+            )
+        if self.layers is not None and not self.layers:
+            raise ValueError("layers is empty (leave it out for all served layers)")
+        return self

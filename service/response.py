@@ -1,0 +1,112 @@
+"""The response body: a safetensors file streamed from the arena, zstd-coded when accepted.
+
+The header is built here (hsx.wire), the hidden-state bytes are read straight from
+the shared arena: compressed chunk by chunk in worker threads (zstandard releases
+the GIL, so chunks of many responses compress on all cores while the event loop
+keeps serving), or, uncompressed, copied out in small chunks so the transport never
+holds a view of arena memory that is about to be reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import zstandard
+
+CHUNK = 4 << 20  # bytes of input per zstd frame / per identity write
+
+
+def accepts_zstd(accept_encoding: str | None) -> bool:
+    """RFC 9110 Accept-Encoding: zstd allowed unless absent or q=0."""
+    if not accept_encoding:
+        return False
+    for part in accept_encoding.split(","):
+        name, _, params = part.strip().partition(";")
+        if name.strip().lower() in ("zstd", "*"):
+            q = params.strip().lower()
+            if q.startswith("q="):
+                try:
+                    return float(q[2:]) > 0
+                except ValueError:
+                    return False
+            return True
+    return False
+
+
+@dataclass
+class Body:
+    parts: list  # bytes / memoryview, in body order
+    on_close: Callable[[], None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def chunks(self) -> list[memoryview]:
+        out = []
+        for part in self.parts:
+            view = memoryview(part).cast("B")
+            for i in range(0, len(view), CHUNK):
+                out.append(view[i : i + CHUNK])
+        return out
+
+
+class Stats:
+    """What the streamer saw, read by metrics once the body is done."""
+
+    def __init__(self) -> None:
+        self.raw = 0
+        self.wire = 0
+
+
+async def stream_identity(body: Body, stats: Stats) -> AsyncIterator[bytes]:
+    try:
+        for chunk in body.chunks():
+            data = bytes(chunk)
+            stats.raw += len(data)
+            stats.wire += len(data)
+            yield data
+    finally:
+        body.on_close()
+
+
+async def stream_zstd(body: Body, stats: Stats, level: int, executor: Executor | None) -> AsyncIterator[bytes]:
+    """One zstd frame for the whole body (httpx's decoder cannot restart between frames
+    that end on a chunk boundary). Chunk i+1 compresses in a worker thread while chunk
+    i is being sent; many responses compress in parallel on the pool."""
+    loop = asyncio.get_running_loop()
+    cobj = zstandard.ZstdCompressor(level=level).compressobj(size=body.nbytes)
+    chunks = body.chunks()
+    pending: asyncio.Future | None = None
+    try:
+        for i, chunk in enumerate(chunks):
+            done = await pending if pending is not None else b""
+            stats.raw += len(chunk)
+            # The compressor is stateful: chunk i starts only after chunk i-1 ended.
+            pending = loop.run_in_executor(executor, _compress_step, cobj, chunk, i == len(chunks) - 1)
+            if done:
+                stats.wire += len(done)
+                yield done  # sent while chunk i compresses
+        if pending is not None:
+            done = await pending
+            pending = None
+            stats.wire += len(done)
+            yield done
+    finally:
+        # A compression still running reads arena memory: wait before releasing it.
+        if pending is not None and not pending.done():
+            try:
+                await asyncio.shield(pending)
+            except Exception:
+                pass
+        body.on_close()
+
+
+def _compress_step(cobj, chunk: memoryview, last: bool) -> bytes:
+    out = cobj.compress(chunk)
+    if last:
+        out += cobj.flush()
+    return out

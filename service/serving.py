@@ -1,0 +1,202 @@
+"""POST /hidden_states, end to end: validate, admit, prefill, stream the body."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hsx import __version__ as hsx_version
+from hsx.wire import FORMAT, ST_DTYPES, TensorSpec, encode_header
+from hsx_service.engine import Extractor
+from hsx_service.errors import BadInput, Draining, NotReady, Overloaded, TooLarge
+from hsx_service.metrics import Metrics
+from hsx_service.protocol import HiddenStatesRequest
+from hsx_service.response import Body, Stats, stream_identity, stream_zstd
+from hsx_service.settings import ServiceSettings
+from hsx_service.tokenize import Encoded, Tokenizer
+
+log = logging.getLogger("hsx.serving")
+
+
+@dataclass
+class Prepared:
+    encoded: Encoded
+    layer_ids: list[int]
+    layer_index: list[int]
+
+
+class HiddenStatesService:
+    def __init__(self, settings: ServiceSettings, extractor: Extractor, tokenizer: Tokenizer, metrics: Metrics):
+        self.settings = settings
+        self.extractor = extractor
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.facts = extractor.facts
+        assert self.facts is not None
+        self.max_tokens = min(
+            settings.max_tokens_per_request or self.facts.max_model_len - 1, self.facts.max_model_len - 1
+        )
+        self.inflight = 0
+        self.queued_tokens = 0
+        self.draining = False
+
+    # ------------------------------------------------------------------ validation
+    def _layers(self, asked: list[int] | None) -> tuple[list[int], list[int]]:
+        served = self.facts.layer_ids
+        if asked is None:
+            return served, list(range(len(served)))
+        unknown = sorted(set(asked) - set(served))
+        if unknown:
+            raise BadInput(f"layers {unknown} are not served; this server captures layers {served}")
+        ids = sorted(set(asked))
+        return ids, [served.index(k) for k in ids]
+
+    def _encode(self, req: HiddenStatesRequest) -> Encoded:
+        if req.input_ids is not None:
+            vocab = self.facts.vocab_size
+            bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise BadInput(f"input id {bad} is outside the vocabulary 0..{vocab - 1}")
+            mask = list(req.loss_mask) if req.loss_mask is not None else None
+            return Encoded(list(req.input_ids), mask, "request" if mask is not None else "none")
+        if req.prompt is not None:
+            return self.tokenizer.encode_prompt(req.prompt, req.add_special_tokens)
+        if len(req.messages) > self.settings.max_messages:
+            raise TooLarge(f"{len(req.messages)} messages; this server takes at most {self.settings.max_messages}")
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        return self.tokenizer.encode_chat(messages, req.tools, req.chat_template, req.assistant_mask)
+
+    def _truncate(self, enc: Encoded, req: HiddenStatesRequest) -> Encoded:
+        limit = min(req.max_length or self.max_tokens, self.max_tokens)
+        n = len(enc.token_ids)
+        if n == 0:
+            raise BadInput("the input tokenizes to zero tokens")
+        if n <= limit:
+            return enc
+        if req.truncation == "error":
+            who = "max_length" if req.max_length and req.max_length <= self.max_tokens else "this server's limit"
+            raise TooLarge(
+                f"{n} tokens exceed {who} of {limit} tokens (max_model_len {self.facts.max_model_len}); "
+                "send truncation='right' or 'left' to cut, or a shorter input"
+            )
+        sl = slice(0, limit) if req.truncation == "right" else slice(n - limit, n)
+        mask = enc.loss_mask[sl] if enc.loss_mask is not None else None
+        return Encoded(enc.token_ids[sl], mask, enc.mask_source)
+
+    async def prepare(self, req: HiddenStatesRequest) -> Prepared:
+        layer_ids, layer_index = self._layers(req.layers)
+        # Tokenizing and template rendering are CPU work: keep them off the event loop.
+        enc = await asyncio.to_thread(self._encode, req)
+        return Prepared(self._truncate(enc, req), layer_ids, layer_index)
+
+    # ------------------------------------------------------------------- admission
+    def admit(self, num_tokens: int) -> None:
+        if self.draining:
+            raise Draining("the server is shutting down; send this request to another server", retry_after=5)
+        if self.extractor.dead:
+            raise NotReady("the engine is not running")
+        if self.inflight >= self.settings.max_inflight:
+            self.metrics.rejected.labels("inflight").inc()
+            raise Overloaded(f"{self.inflight} requests in flight (limit {self.settings.max_inflight}); retry shortly")
+        if self.inflight and self.queued_tokens + num_tokens > self.settings.max_queued_tokens:
+            self.metrics.rejected.labels("tokens").inc()
+            raise Overloaded(
+                f"{self.queued_tokens} prompt tokens queued (limit {self.settings.max_queued_tokens}); retry shortly"
+            )
+
+    # ------------------------------------------------------------------- the request
+    async def run(self, req: HiddenStatesRequest, request_id: str, zstd: bool):
+        """Return (headers, async body iterator). Raises ServiceError on refusal."""
+        prep = await self.prepare(req)
+        ids = prep.encoded.token_ids
+        n = len(ids)
+        self.admit(n)
+        try:
+            extent = self.extractor.reserve(n, len(prep.layer_ids))
+        except Overloaded:
+            self.metrics.rejected.labels("memory").inc()
+            raise
+        started = time.perf_counter()
+        self.inflight += 1
+        self.queued_tokens += n
+        self._gauges()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self.extractor.free(extent)
+            self.inflight -= 1
+            self.queued_tokens -= n
+            self._gauges()
+
+        try:
+            await self.extractor.extract(ids, prep.layer_index, extent, request_id)
+        except BaseException:
+            # extract() owns the arena range on failure; only the counters are ours.
+            released = True
+            self.inflight -= 1
+            self.queued_tokens -= n
+            self._gauges()
+            self.metrics.requests.labels("error").inc()
+            raise
+
+        f = self.facts
+        specs = [
+            TensorSpec("hidden_states", ST_DTYPES[f.dtype], (n, len(prep.layer_ids), f.hidden_size)),
+            TensorSpec("token_ids", "I64", (n,)),
+        ]
+        parts: list = [None, self.extractor.arena.slice(extent), np.asarray(ids, dtype=np.int64).tobytes()]
+        if prep.encoded.loss_mask is not None:
+            specs.append(TensorSpec("loss_mask", "U8", (n,)))
+            parts.append(np.asarray(prep.encoded.loss_mask, dtype=np.uint8).tobytes())
+        metadata = {
+            "format": FORMAT,
+            "model": f.served_model_name,
+            "model_path": f.model,
+            "model_revision": f.revision or "",
+            "layer_ids": json.dumps(prep.layer_ids),
+            "num_hidden_layers": f.num_hidden_layers,
+            "hidden_size": f.hidden_size,
+            "dtype": f.dtype,
+            "last_layer_pre_norm": "true",
+            "loss_mask_source": prep.encoded.mask_source,
+            "vllm_version": f.vllm_version,
+            "hsx_version": hsx_version,
+            "request_id": request_id,
+            "caller_id": req.id or "",
+            "chat_template_sha256": (self.tokenizer.template_sha256 or "") if req.messages and not req.chat_template else "",
+        }
+        parts[0] = encode_header(specs, metadata)
+        stats = Stats()
+
+        def on_close() -> None:
+            release()
+            self.metrics.sent(stats.raw, stats.wire)
+            self.metrics.tokens.inc(n)
+            self.metrics.requests.labels("ok" if stats.raw == body.nbytes else "aborted").inc()
+            self.metrics.latency.observe(time.perf_counter() - started)
+
+        body = Body(parts, on_close)
+        headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n)}
+        if zstd:
+            headers["Content-Encoding"] = "zstd"
+            stream = stream_zstd(body, stats, self.settings.zstd_level, None)
+        else:
+            headers["Content-Length"] = str(body.nbytes)
+            stream = stream_identity(body, stats)
+        return headers, stream
+
+    def _gauges(self) -> None:
+        self.metrics.inflight.set(self.inflight)
+        self.metrics.queued_tokens.set(self.queued_tokens)
+        self.metrics.engine_running.set(self.extractor.engine_running)
+        if self.extractor.allocator is not None:
+            self.metrics.arena_used.set(self.extractor.allocator.used)

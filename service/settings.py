@@ -1,0 +1,70 @@
+"""The service's own settings: every flag is also an `HSX_*` environment variable.
+
+vLLM's engine flags are not here: `hsx serve` hands them to vLLM's own parser
+unchanged (see cli.py). Precedence: command-line flag > environment > default.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing_extensions import Annotated
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def _int_list(value: object) -> object:
+    if isinstance(value, str):
+        value = value.strip()
+        if not value:
+            return None
+        return [int(x) for x in value.replace(" ", "").split(",") if x]
+    return value
+
+
+def _str_list(value: object) -> object:
+    if isinstance(value, str):
+        return [x.strip() for x in value.split(",") if x.strip()]
+    return value
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HSX_", extra="ignore")
+
+    model: str | None = Field(None, description="Model path or hub id (positional MODEL)")
+    host: str = Field("0.0.0.0", description="Address to bind")
+    port: int = Field(8001, ge=0, le=65535, description="Port to bind (vLLM's own server defaults to 8000)")
+    layers: Annotated[list[int] | None, NoDecode] = Field(
+        None, description="Layer ids to capture, e.g. 2,16,29,32 (default: 2, N//2, N-3, N)"
+    )
+    api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Accepted Bearer keys, comma-separated; none = no auth"
+    )
+    max_inflight: int = Field(256, ge=1, description="Requests admitted at once; more get 503")
+    max_queued_tokens: int = Field(1 << 21, ge=1, description="Prompt tokens admitted at once; more get 503")
+    max_body_bytes: int = Field(64 * MiB, ge=1024, description="Largest request body (413 beyond)")
+    max_tokens_per_request: int | None = Field(
+        None, ge=1, description="Largest prompt in tokens (413 beyond; default max_model_len - 1)"
+    )
+    max_messages: int = Field(4096, ge=1, description="Most chat messages in one request")
+    arena_bytes: int = Field(
+        4 * GiB, ge=MiB, description="Shared-memory arena for states not yet sent (bounds unsent bytes)"
+    )
+    shm_dir: str = Field("/dev/shm", description="Directory of the shared-memory arena (a tmpfs)")
+    shutdown_timeout: float = Field(30.0, ge=0, description="Seconds in-flight requests get after SIGTERM")
+    request_timeout: float = Field(600.0, gt=0, description="Seconds one request may take in the engine")
+    chat_template: str | None = Field(None, description="Jinja chat template file (default: the tokenizer's)")
+    zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of compressed responses")
+    log_level: str = Field("info", description="Log level (debug, info, warning, error)")
+
+    _split_layers = field_validator("layers", mode="before")(_int_list)
+    _split_keys = field_validator("api_key", mode="before")(_str_list)
+
+
+# The service's flags: name -> help, for cli.py and for the deployment tests.
+FLAG_NAMES = [name for name in ServiceSettings.model_fields if name != "model"]
+
+
+def env_name(field: str) -> str:
+    return "HSX_" + field.upper()
