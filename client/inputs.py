@@ -407,7 +407,7 @@ def read_samples(
         except _Bad as exc:
             bad.append(BadRow(source, str(exc)))
     for qid, src in q_sources.items():
-        if qid not in q_used:
+        if qid not in q_used and not full():  # (when stopped early, unused is not unusable)
             bad.append(BadRow(src, "MT-Bench question with user turns only and no answer row "
                                    "(no assistant turn to supervise)"))
     return samples
