@@ -1,0 +1,134 @@
+"""Make a small random-weight Llama with a real tokenizer, offline.
+
+Used by `hsx demo`, the tests and the benchmark (which asks for a bigger one:
+16 layers x 2048 hidden). The tokenizer is a byte-level BPE trained here on a
+short built-in text, with a ChatML-style chat template that marks assistant
+turns with `{% generation %}`, so every request kind works on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] }}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_TEXT = """
+Speculative decoding lets a small draft model propose tokens that a large target model
+verifies in one forward pass. EAGLE-3 drafts from the target's own hidden states taken at
+a few layers, so training it needs those states for every token of a chat corpus. A
+prefill computes them; the service returns them compressed over HTTP, and the client
+writes a corpus that trainers read. Once upon a time a little girl named Lily found a
+shiny red ball in the park. She asked her mother if she could keep it, and her mother
+said yes. The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.
+User: What is the capital of France? Assistant: The capital of France is Paris.
+Numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000, punctuation ! ? . , ; : ' " ( ) [ ] { } < > / \\ | - _ + = * & ^ % $ # @ ~
+"""
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(out: Path, vocab_size: int = 1024):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_TEXT] * 4, trainer=trainer)
+    from tokenizers.processors import TemplateProcessing
+
+    tok.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def make_tiny_llama(
+    out: str | os.PathLike,
+    *,
+    num_layers: int = 6,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 1024,
+    max_position_embeddings: int = 2048,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Path:
+    """Write a random Llama (head_dim = hidden/heads must be >= 32 for vLLM CPU)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(out, vocab_size=min(vocab_size, 1024))
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    # A non-trivial final norm, so post-norm checks mean something.
+    with torch.no_grad():
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(out, safe_serialization=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="hsx make-tiny-model", description=__doc__)
+    p.add_argument("out")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    a = p.parse_args(argv)
+    path = make_tiny_llama(
+        a.out, num_layers=a.layers, hidden_size=a.hidden, intermediate_size=a.intermediate,
+        num_heads=a.heads, num_kv_heads=a.kv_heads, vocab_size=a.vocab, max_position_embeddings=a.max_len,
+        dtype=a.dtype,
+    )
+    print(path)
+    return 0

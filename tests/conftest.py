@@ -1,0 +1,64 @@
+"""Session-wide servers: one real `hsx serve` per configuration, shared by all tests.
+
+Engine start takes ~25 s on CPU, so each configuration starts once per session.
+Tests that need ../shared/fixtures skip with the reason when it is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from _server import FIXTURES, STORIES, TEMPLATES, ServerProcess
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def need_vllm():
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (pip install '.[cpu]' for the server tests)")
+
+
+def need_fixtures():
+    if not STORIES.exists():
+        pytest.skip(f"shared fixtures not found at {FIXTURES} (they ship beside the repo, not in it)")
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("server-logs")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from hsx.tiny_model import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", num_layers=6, hidden_size=128)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model, log_dir):
+    """Random Llama, bf16 (the production dtype), default layers [2, 3, 6]."""
+    need_vllm()
+    server = ServerProcess(str(tiny_model), "--dtype", "bfloat16", "--max-model-len", "1024",
+                           log_dir=log_dir, name="tiny")
+    yield server.wait_ready()
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def stories_server(log_dir):
+    """The trained stories260K in fp32, every layer id 0..N, a real chat template,
+    prefix caching on and a small token budget per step, so long prompts are chunked."""
+    need_vllm()
+    need_fixtures()
+    server = ServerProcess(
+        str(STORIES), "--dtype", "float32", "--layers", "0,1,2,3,4,5",
+        "--enable-prefix-caching", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
+        "--chat-template", str(TEMPLATES / "llama3.jinja"),
+        log_dir=log_dir, name="stories",
+    )
+    yield server.wait_ready()
+    server.stop()
