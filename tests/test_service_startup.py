@@ -1,0 +1,112 @@
+"""Settings that cannot work are refused at start, with the reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from _server import engine_env
+from hsx_service.engine import (
+    check_parallelism,
+    check_vllm_version,
+    default_layers,
+    resolve_layers,
+)
+from hsx_service.errors import StartupError
+
+
+def test_default_layers():
+    assert default_layers(32) == [2, 16, 29, 32]
+    assert default_layers(16) == [2, 8, 13, 16]
+    assert default_layers(5) == [2, 5]  # 2, 2, 2, 5 deduplicated
+    assert default_layers(2) == [0, 1, 2]
+    assert default_layers(1) == [0, 1]
+
+
+def test_layers_outside_range_refused():
+    assert resolve_layers([16, 2, 29, 32], 32) == [2, 16, 29, 32]
+    with pytest.raises(StartupError, match=r"\[33\] are outside 0..32"):
+        resolve_layers([2, 33], 32)
+    with pytest.raises(StartupError, match="outside"):
+        resolve_layers([-1], 32)
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.34.0", "0.10.0", "1.0.0"])
+def test_unsupported_vllm_versions(version):
+    with pytest.raises(StartupError, match=f"vLLM {version} is not supported"):
+        check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.30.2", "0.32.0", "0.33.1", "0.33.0rc1.dev5+g1234"])
+def test_supported_vllm_versions(version):
+    check_vllm_version(version)
+
+
+def test_parallelism_rules():
+    with pytest.raises(StartupError, match="pipeline parallel"):
+        check_parallelism("0.32.0", 1, 2)
+    with pytest.raises(StartupError, match="needs vLLM >= 0.31"):
+        check_parallelism("0.30.0", 2, 1)
+    check_parallelism("0.31.0", 4, 1)
+    check_parallelism("0.26.0", 1, 1)
+
+
+def _serve(*args, timeout=240):
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install '.[cpu]')")
+    return subprocess.run([sys.executable, "-m", "hsx.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=timeout, env=engine_env())
+
+
+@pytest.mark.engine
+def test_serve_refuses_layer_out_of_range(tiny_model):
+    r = _serve(str(tiny_model), "--layers", "2,7", "--port", "0")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "outside 0..6" in r.stderr
+
+
+@pytest.mark.engine
+def test_serve_refuses_pipeline_parallel(tiny_model):
+    r = _serve(str(tiny_model), "--pipeline-parallel-size", "2", "--port", "0")
+    assert r.returncode == 2 and "pipeline parallel" in r.stderr
+
+
+@pytest.mark.engine
+def test_serve_refuses_architecture_without_eagle3_interface(tmp_path):
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100)
+    cfg.save_pretrained(tmp_path)
+    r = _serve(str(tmp_path), "--port", "0")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "does not implement vLLM's EAGLE-3" in r.stderr and "GPT2" in r.stderr
+
+
+def test_serve_refuses_missing_model():
+    r = _serve("/no/such/model", "--port", "0", timeout=120)
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_settings_from_environment(monkeypatch):
+    from hsx_service.settings import ServiceSettings
+
+    monkeypatch.setenv("HSX_LAYERS", "2, 8,13,16")
+    monkeypatch.setenv("HSX_API_KEY", "k1,k2")
+    monkeypatch.setenv("HSX_PORT", "9001")
+    s = ServiceSettings()
+    assert s.layers == [2, 8, 13, 16] and s.api_key == ["k1", "k2"] and s.port == 9001
+    assert ServiceSettings(port=9002).port == 9002  # a flag wins over the environment
+
+
+def test_cli_flags_override_environment(monkeypatch):
+    pytest.importorskip("vllm")
+    from hsx_service.cli import parse
+
+    monkeypatch.setenv("HSX_PORT", "9001")
+    monkeypatch.setenv("HSX_ENGINE_ARGS", "--max-model-len 256 --dtype float32")
+    settings, engine_args = parse(["some/model", "--port", "9005", "--layers", "1,2", "--shutdown-timeout", "7"])
+    assert settings.port == 9005 and settings.layers == [1, 2] and settings.shutdown_timeout == 7
+    assert engine_args.max_model_len == 256 and engine_args.dtype == "float32"
+    assert engine_args.model == "some/model"
