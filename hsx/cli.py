@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    if command in ("serve", "demo", "bench", "make-tiny-model"):
+        from hsx.compat import guard_broken_torch_extensions
+
+        guard_broken_torch_extensions()
     if command == "serve":
         from hsx_service.cli import main as run
     elif command == "extract":

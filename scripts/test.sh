@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install everything the tests need, then run them all (real vLLM CPU servers included).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh --test
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+exec python -m pytest -q -ra "$@"
