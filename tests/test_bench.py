@@ -1,0 +1,80 @@
+"""`hsx bench` short CI mode: the three modes end to end on CPU, a well-formed result.
+
+No timing assertions: only that every mode ran, measured something, and that the
+byte counts and the corpus of (c) are what the prompts imply.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_quick_three_modes(tmp_path: Path) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (pip install '.[cpu]' for the benchmark)")
+    out = tmp_path / "bench.json"
+    prompts, length = 16, 128
+    cmd = [
+        sys.executable, "-m", "hsx.cli", "bench", "--quick",
+        "--prompts", str(prompts), "--prompt-len", str(length), "--concurrency", "4", "--warmup", "2",
+        "--workdir", str(tmp_path / "work"), "--out", str(out),
+    ]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, f"hsx bench failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    assert "(c) hsx end to end" in proc.stdout  # the table was printed
+
+    r = json.loads(out.read_text())
+    assert set(r["modes"]) == {"a", "b", "c"}
+    assert r["prompts"] == {"count": prompts, "length": length, "seed": 0, "warmup": 2}
+    layers, hidden = r["layers"], r["model"]["hidden_size"]
+    assert len(layers) == 4 and hidden == 128 and r["itemsize"] == 2
+    tokens = prompts * length
+    per_token = len(layers) * hidden * 2
+    for m in ("a", "b", "c"):
+        d = r["modes"][m]
+        assert d["tokens"] == tokens, m
+        assert d["tokens_per_s"] > 0 and d["measured_s"] > 0 and d["gb_per_s"] > 0, m
+        assert d["hs_bytes"] == tokens * per_token, m
+        assert d["engine_memory"]["peak_rss_sum"] > 0, m
+    b, c = r["modes"]["b"], r["modes"]["c"]
+    assert b["requests"] == prompts and b["file_bytes"] > b["hs_bytes"]
+    assert 0 < b["engine_tokens_per_s"]
+    # (c): every sample came over the wire, zstd-coded, and the corpus opens
+    assert c["requests"] == prompts
+    assert 0 < c["wire_bytes"] < c["body_bytes"] and c["body_bytes"] > c["hs_bytes"]
+    assert c["finalize_s"] is not None and c["client_memory"]["peak_rss"] > 0
+    assert c["corpus"]["ok"] and c["corpus"]["rows"] == prompts and c["corpus"]["files"] == prompts
+    assert c["corpus"]["disk_bytes"] >= c["hs_bytes"]
+    for k in ("c_over_a", "c_over_b", "b_over_a"):
+        assert r["ratios"][k] is not None and r["ratios"][k] > 0
+    assert r["versions"].get("vllm") and r["hardware"]["cpu_count"] >= 1
+
+
+def test_codec_candidates_round_trip() -> None:
+    """Every codec candidate is bit-exact on bf16 data (fast; no engine)."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("zstandard")
+    from hsx.bench import choose_codec, entropy_bound, measure_codecs
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(300_000) * 3).astype(np.float32)
+    bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncation to bf16 bits
+    rows = measure_codecs(bf16.tobytes(), dtype="bfloat16", repeat=1, label="gauss")
+    assert {r["codec"] for r in rows} >= {"none (copy)", "zstd 1", "zstd 1 threads=2", "bf16 exp-plane zstd1 hl6"}
+    assert all(r["bit_exact"] for r in rows)
+    split = next(r for r in rows if r["codec"] == "bf16 exp-plane zstd1 hl6")
+    assert split["ratio"] > 1.2
+    assert split["ratio"] <= entropy_bound(bf16.tobytes())["ratio_limit"] * 1.02
+    assert choose_codec(rows, target_MBps_per_core=0.0)["pick"] is not None
