@@ -163,7 +163,7 @@ def test_input_format_to_corpus_read_by_trainer(pool, inputs, tmp_path, kind, fm
 def test_client_sigkill_at_several_points_then_resume(pool, inputs, tmp_path):
     """SIGKILL after the first stored sample, after about half, and once more at the end
     (finalize, when it is still running); each resume re-does only what is missing."""
-    n = 48
+    n = 36
     out = tmp_path / "corpus"
     argv = extract_argv(pool.get(2), out, *fmt_args("speculators", inputs["openai"], n,
                                                    "--concurrency-per-server", "1", "--seed", "7"))
