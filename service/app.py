@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hsx import __version__ as hsx_version
 from hsx.wire import MEDIA_TYPE, TensorSpec, encode_header
@@ -27,7 +28,7 @@ from hsx_service.errors import (
     install_error_handlers,
 )
 from hsx_service.metrics import Metrics
-from hsx_service.protocol import HiddenStatesRequest
+from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus
 from hsx_service.response import accepts_zstd
 from hsx_service.settings import ServiceSettings
 
@@ -36,6 +37,13 @@ log = logging.getLogger("hsx.app")
 PUBLIC_PATHS = ("/health", "/ready", "/metrics")
 GUARDED_PATHS = ("/hidden_states", "/info", "/final_norm")
 DOC_PATHS = ("/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc")
+ERRORS = {
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    422: {"model": ErrorResponse, "description": "the body does not match the schema"},
+    500: {"model": ErrorResponse, "description": "engine failure (details in the server log)"},
+    501: {"model": ErrorResponse, "description": "not available for this model"},
+    503: {"model": ErrorResponse, "description": "loading, full or draining; retry after Retry-After seconds"},
+}
 
 
 @dataclass
@@ -65,6 +73,10 @@ class GuardMiddleware:
         self.app = app
         self.keys = [k.encode() for k in settings.api_key]
         self.max_body = settings.max_body_bytes
+        # Requests past this many at once are refused before their body is read, so a
+        # flood of large bodies cannot grow memory (the service's own bounds come after).
+        self.max_active = settings.max_inflight
+        self.active = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -100,8 +112,20 @@ class GuardMiddleware:
             if length is not None and length.isdigit() and int(length) > self.max_body:
                 return await reply(413, "too_large",
                                    f"request body of {length} bytes exceeds the limit of {self.max_body} bytes")
+            if self.active >= self.max_active:
+                return await reply(503, "overloaded",
+                                   f"{self.active} requests in progress (limit {self.max_active}); retry shortly",
+                                   {"Retry-After": "1"})
             receive = self._limited(receive, rid)
+            self.active += 1
+            try:
+                return await self.app(scope, receive, self._with_id(send, rid))
+            finally:
+                self.active -= 1
+        await self.app(scope, receive, self._with_id(send, rid))
 
+    @staticmethod
+    def _with_id(send, rid):
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 hdrs = list(message.get("headers", []))
@@ -110,7 +134,7 @@ class GuardMiddleware:
                 message = {**message, "headers": hdrs}
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        return send_with_id
 
     def _limited(self, receive, rid):
         seen = 0
@@ -122,9 +146,8 @@ class GuardMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    from hsx_service.errors import TooLarge
-
-                    raise TooLarge(f"request body exceeds the limit of {limit} bytes")
+                    # An HTTPException, since FastAPI turns other errors while reading the body into 400.
+                    raise StarletteHTTPException(413, f"request body exceeds the limit of {limit} bytes")
             return message
 
         return wrapped
@@ -154,14 +177,16 @@ def create_app(st: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, settings=st.settings)
 
-    @app.get("/health", summary="Liveness: 503 once the engine is dead")
+    probe = {200: {"model": ProbeStatus}, 503: {"model": ProbeStatus, "description": "not live / not ready"}}
+
+    @app.get("/health", summary="Liveness: 503 once the engine is dead", responses=probe)
     async def health(request: Request):
         s = state(request)
         if s.startup_error or s.extractor.dead:
             return JSONResponse({"status": "dead", "error": s.startup_error or "engine died"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/ready", summary="Readiness: 503 while loading or draining")
+    @app.get("/ready", summary="Readiness: 503 while loading or draining", responses=probe)
     async def ready(request: Request):
         s = state(request)
         if s.service is None or s.loading:
@@ -172,14 +197,15 @@ def create_app(st: ServerState) -> FastAPI:
             return JSONResponse({"status": "dead"}, status_code=503)
         return {"status": "ready"}
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
     async def metrics(request: Request):
         s = state(request)
         if s.service is not None:
             s.service._gauges()
         return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/info", summary="Model, layers, hidden size, dtype, limits, versions")
+    @app.get("/info", summary="Model, layers, hidden size, dtype, limits, versions", responses=ERRORS)
     async def info(request: Request):
         s = _serving(request)
         f = s.extractor.facts
@@ -207,7 +233,7 @@ def create_app(st: ServerState) -> FastAPI:
         "/final_norm",
         summary="The final norm's weight (float32), epsilon and style, as safetensors",
         response_class=Response,
-        responses={200: {"content": {MEDIA_TYPE: {}}}},
+        responses={200: {"content": {MEDIA_TYPE: {}}}, **ERRORS},
     )
     async def final_norm(request: Request):
         s = _serving(request)
@@ -227,19 +253,39 @@ def create_app(st: ServerState) -> FastAPI:
         response_class=StreamingResponse,
         responses={
             200: {"content": {MEDIA_TYPE: {}}, "description": "safetensors: hidden_states [T, L, H], token_ids, loss_mask"},
-            400: {"description": "bad input"},
-            401: {"description": "missing or wrong API key"},
-            413: {"description": "body or token count over the limit"},
-            503: {"description": "full or draining; retry after Retry-After seconds"},
+            **ERRORS,
+            400: {"model": ErrorResponse, "description": "bad input"},
+            413: {"model": ErrorResponse, "description": "body or token count over the limit"},
+            415: {"model": ErrorResponse, "description": "body is not application/json"},
+            504: {"model": ErrorResponse, "description": "the engine did not finish in time"},
         },
     )
     async def hidden_states(body: HiddenStatesRequest, request: Request):
         s = _serving(request)
         rid = request.state.request_id
-        headers, stream = await s.service.run(body, rid, accepts_zstd(request.headers.get("accept-encoding")))
+        work = asyncio.ensure_future(s.service.run(body, rid, accepts_zstd(request.headers.get("accept-encoding"))))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            # The caller left: cancelling aborts the engine request and frees its memory.
+            work.cancel()
+            s.metrics.requests.labels("disconnected").inc()
+            return Response(status_code=499)
+        headers, stream = work.result()
         return StreamingResponse(stream, media_type=MEDIA_TYPE, headers=headers)
 
     return app
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body was already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
 
 def _serving(request: Request) -> ServerState:
@@ -287,6 +333,8 @@ async def _watch_engine(st: ServerState) -> None:
         await asyncio.sleep(0.5)
         if st.extractor.dead:
             log.error("the vLLM engine died; exiting so the orchestrator restarts this server")
+            if st.extractor.notices is not None:
+                st.extractor.notices.fail_all("engine died")
             if st.on_engine_dead:
                 st.on_engine_dead()
             return

@@ -22,7 +22,7 @@ from typing import Any
 from packaging.version import Version
 
 from hsx_service.arena import Allocator, ArenaFull, ArenaTooSmall, Extent, SharedArena
-from hsx_service.errors import EngineFailure, Overloaded, StartupError
+from hsx_service.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError
 from hsx_service.settings import ServiceSettings
 
 log = logging.getLogger("hsx.engine")
@@ -207,6 +207,13 @@ class Notices:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
+    def fail_all(self, error: str) -> None:
+        """The engine died: no notice will come for anything in flight."""
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_result({"key": None, "ok": False, "error": error})
+        self._waiters.clear()
+
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -312,7 +319,6 @@ class Extractor:
         """Prefill `token_ids`; on return the states are in `extent`. The caller frees
         the extent only through `release_after`, which waits for the worker's notice."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         assert self.notices is not None
         key = uuid.uuid4().hex
@@ -327,26 +333,33 @@ class Extractor:
                 }
             },
         )
-        submitted = False
         self.engine_running += 1
         try:
-            stream = self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id)
-            submitted = True
-            async for _ in stream:
-                pass
-            msg = await asyncio.wait_for(asyncio.shield(notice), self.settings.request_timeout)
-        except BaseException:
-            if submitted:
-                # The engine may still write this range: free it only on the notice.
-                asyncio.get_running_loop().create_task(self._release_on_notice(notice, extent, key))
-            else:
-                self.free(extent)
+            msg = await asyncio.wait_for(self._prefill(token_ids, params, request_id, notice), self.settings.request_timeout)
+        except ValueError as exc:  # refused by vLLM's input checks, before reaching the engine
+            self.free(extent)
+            raise BadInput(f"vLLM refused the input: {exc}") from exc
+        except BaseException as exc:
+            # The engine may still write this range: free it only on the worker's notice.
+            asyncio.get_running_loop().create_task(self._release_on_notice(notice, extent, key))
+            if isinstance(exc, asyncio.TimeoutError):
+                raise EngineTimeout(f"the engine did not finish within {self.settings.request_timeout:.0f}s") from exc
+            if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
+                raise EngineFailure("the engine failed while serving this request") from exc
             raise
         finally:
             self.engine_running -= 1
         if not msg["ok"]:
             self.free(extent)
             raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
+
+    async def _prefill(self, token_ids: list[int], params: Any, request_id: str, notice: asyncio.Future) -> dict:
+        from vllm.inputs import TokensPrompt
+
+        async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
+            pass
+        # The output can arrive before the worker's copy notice (or after): wait for both.
+        return await asyncio.shield(notice)
 
     async def _release_on_notice(self, notice: asyncio.Future, extent: Extent, key: str) -> None:
         try:

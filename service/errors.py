@@ -69,6 +69,10 @@ class EngineFailure(ServiceError):
     status, type = 500, "engine_error"
 
 
+class EngineTimeout(ServiceError):
+    status, type = 504, "timeout"
+
+
 class NotAvailable(ServiceError):
     status, type = 501, "not_available"
 
@@ -115,7 +119,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(request, exc.status_code, "http_error", str(exc.detail))
+        kind = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code, "http_error")
+        return error_response(request, exc.status_code, kind, str(exc.detail))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -61,3 +61,20 @@ class HiddenStatesRequest(BaseModel):
         if self.layers is not None and not self.layers:
             raise ValueError("layers is empty (leave it out for all served layers)")
         return self
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    request_id: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer."""
+
+    error: ErrorDetail
+
+
+class ProbeStatus(BaseModel):
+    status: str
+    error: str | None = None

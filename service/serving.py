@@ -13,7 +13,7 @@ import numpy as np
 from hsx import __version__ as hsx_version
 from hsx.wire import FORMAT, ST_DTYPES, TensorSpec, encode_header
 from hsx_service.engine import Extractor
-from hsx_service.errors import BadInput, Draining, NotReady, Overloaded, TooLarge
+from hsx_service.errors import BadInput, Draining, NotReady, Overloaded, ServiceError, TooLarge
 from hsx_service.metrics import Metrics
 from hsx_service.protocol import HiddenStatesRequest
 from hsx_service.response import Body, Stats, stream_identity, stream_zstd
@@ -91,7 +91,12 @@ class HiddenStatesService:
     async def prepare(self, req: HiddenStatesRequest) -> Prepared:
         layer_ids, layer_index = self._layers(req.layers)
         # Tokenizing and template rendering are CPU work: keep them off the event loop.
-        enc = await asyncio.to_thread(self._encode, req)
+        try:
+            enc = await asyncio.to_thread(self._encode, req)
+        except ServiceError:
+            raise
+        except Exception as exc:  # e.g. text the tokenizer cannot take (lone surrogates)
+            raise BadInput(f"could not tokenize the input: {exc}") from exc
         return Prepared(self._truncate(enc, req), layer_ids, layer_index)
 
     # ------------------------------------------------------------------- admission

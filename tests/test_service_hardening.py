@@ -1,0 +1,266 @@
+"""Issue 4: backpressure, limits, auth, cancellation, drain, engine death, hostile input.
+
+All against real `hsx serve` processes (vLLM CPU) over real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from _reference import per_layer_rel_err, reference_states
+from _server import ServerProcess, engine_env
+from conftest import need_vllm
+from hsx.wire import decode
+
+pytestmark = pytest.mark.engine
+KEYS = ("key-one-0123456789", "key-two-abcdefghij")
+AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
+
+
+def tree_rss(pid: int) -> int:
+    proc = psutil.Process(pid)
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def metric(server, name: str, auth=None) -> float:
+    text = httpx.get(server.url + "/metrics", headers=auth or {}).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_model, log_dir):
+    """Small limits and two API keys."""
+    need_vllm()
+    server = ServerProcess(
+        str(tiny_model), "--dtype", "float32", "--max-model-len", "1024",
+        "--api-key", ",".join(KEYS), "--max-inflight", "4", "--max-body-bytes", "200000",
+        "--max-messages", "8", "--max-tokens-per-request", "600", "--arena-bytes", str(8 << 20),
+        "--max-num-batched-tokens", "32",
+        log_dir=log_dir, name="guarded",
+    )
+    yield server.wait_ready()
+    server.stop()
+
+
+def post(server, body, headers=AUTH, **kw):
+    return httpx.post(server.url + "/hidden_states", json=body, headers=headers, timeout=120, **kw)
+
+
+# ------------------------------------------------------------------------------ auth
+
+def test_auth_missing_wrong_and_right_keys(guarded):
+    body = {"input_ids": [1, 5, 6]}
+    r = post(guarded, body, headers={})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "unauthorized"
+    assert r.headers.get("www-authenticate") == "Bearer"
+    r = post(guarded, body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert KEYS[0] not in r.text and "wrong" not in r.json()["error"]["message"]
+    r = post(guarded, body, headers={"Authorization": KEYS[0]})  # no scheme
+    assert r.status_code == 401
+    for key in KEYS:
+        assert post(guarded, body, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def test_probes_open_guarded_routes_closed(guarded):
+    for path in ("/health", "/ready", "/metrics"):
+        assert httpx.get(guarded.url + path).status_code == 200, path
+    for path in ("/info", "/final_norm"):
+        assert httpx.get(guarded.url + path).status_code == 401, path
+        assert httpx.get(guarded.url + path, headers=AUTH).status_code == 200, path
+
+
+# ---------------------------------------------------------------------------- limits
+
+def test_body_size_limit(guarded):
+    big = {"input_ids": [7] * 60000}  # ~180 KB of JSON plus... over 200000 with the spaces
+    body = ("{\"prompt\": \"" + "a" * 250000 + "\"}").encode()
+    r = httpx.post(guarded.url + "/hidden_states", content=body,
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413 and "200000" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        for _ in range(30):
+            yield b"[" + b"1," * 5000 + b"1]"
+
+    r = httpx.post(guarded.url + "/hidden_states", content=chunks(),
+                   headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert post(guarded, {"input_ids": big["input_ids"][:100]}).status_code == 200
+
+
+def test_token_limit(guarded):
+    r = post(guarded, {"input_ids": [7] * 601})
+    assert r.status_code == 413 and "600" in r.json()["error"]["message"]
+    assert post(guarded, {"input_ids": [7] * 600}).status_code == 200
+
+
+def test_message_count_limit(guarded):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 5
+    r = post(guarded, {"messages": msgs})
+    assert r.status_code == 413 and "8" in r.json()["error"]["message"]
+    assert post(guarded, {"messages": msgs[:8]}).status_code == 200
+
+
+def test_layer_subset_limit(guarded):
+    r = post(guarded, {"input_ids": [1, 2], "layers": [2, 3, 6, 7]})
+    assert r.status_code == 400 and "[7]" in r.json()["error"]["message"]
+    d = decode(post(guarded, {"input_ids": [1, 2], "layers": [6, 6, 2]}).content)
+    assert d.layer_ids == [2, 6]
+
+
+# ---------------------------------------------------------------------- backpressure
+
+async def test_flood_gets_503_not_5xx_and_memory_stays_bounded(guarded, tiny_model):
+    rng = random.Random(5)
+    before = tree_rss(guarded.proc.pid)
+    bodies = [{"input_ids": [1] + [rng.randrange(6, 1000) for _ in range(rng.randrange(100, 500))]}
+              for _ in range(48)]  # 12x the in-flight bound of 4, at once
+    statuses, accepted = [], []
+    async with httpx.AsyncClient(timeout=300, headers=AUTH) as client:
+        for _ in range(3):
+            rs = await asyncio.gather(*[client.post(guarded.url + "/hidden_states", json=b) for b in bodies])
+            for b, r in zip(bodies, rs):
+                statuses.append(r.status_code)
+                if r.status_code == 503:
+                    assert int(r.headers["retry-after"]) >= 1
+                    assert r.json()["error"]["type"] == "overloaded"
+                elif r.status_code == 200:
+                    accepted.append((b, r))
+    after = tree_rss(guarded.proc.pid)
+    print(f"\nflood: {len(statuses)} requests, {statuses.count(200)} accepted, {statuses.count(503)} got 503; "
+          f"server tree RSS {before / 2**20:.0f} MiB before, {after / 2**20:.0f} MiB after")
+    assert set(statuses) <= {200, 503}
+    assert statuses.count(503) > 0 and statuses.count(200) > 0
+    for b, r in accepted[:20]:
+        d = decode(r.content)
+        assert d.token_ids.tolist() == b["input_ids"]
+        ref = reference_states(str(tiny_model), b["input_ids"], d.layer_ids)
+        assert max(per_layer_rel_err(d.hidden_states, ref)) < 1e-4
+    assert after - before < 400 * 2**20
+    assert metric(guarded, "hsx_inflight_requests") == 0
+    assert metric(guarded, "hsx_arena_used_bytes") == 0
+
+
+# ---------------------------------------------------------------------- cancellation
+
+async def test_client_disconnect_aborts_engine_request(guarded):
+    # Distinct prompts (no prefix-cache hits) prefilled 32 tokens per engine step take
+    # well over the 0.1 s these clients wait before hanging up.
+    rng = random.Random(7)
+    bodies = [{"input_ids": [1] + [rng.randrange(6, 1000) for _ in range(590)]} for _ in range(4)]
+    async with httpx.AsyncClient(timeout=0.1, headers=AUTH) as client:
+        rs = await asyncio.gather(*[client.post(guarded.url + "/hidden_states", json=b) for b in bodies],
+                                  return_exceptions=True)
+    assert any(isinstance(r, httpx.TimeoutException) for r in rs)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (metric(guarded, "hsx_engine_requests") == 0 and metric(guarded, "hsx_inflight_requests") == 0
+                and metric(guarded, "hsx_arena_used_bytes") == 0):
+            break
+        await asyncio.sleep(0.2)
+    assert metric(guarded, "hsx_engine_requests") == 0
+    assert metric(guarded, "hsx_arena_used_bytes") == 0
+    assert metric(guarded, 'hsx_requests_total{status="disconnected"}') >= 1
+    assert post(guarded, {"input_ids": [1, 2, 3]}).status_code == 200
+
+
+# ------------------------------------------------------------------------------ drain
+
+async def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(tiny_model, log_dir):
+    need_vllm()
+    server = ServerProcess(str(tiny_model), "--dtype", "float32", "--max-model-len", "1024",
+                           "--max-num-batched-tokens", "16", "--shutdown-timeout", "60",
+                           log_dir=log_dir, name="drain").wait_ready()
+    rng = random.Random(11)
+    prompts = [[1] + [rng.randrange(6, 1000) for _ in range(900)] for _ in range(12)]
+    try:
+        async with httpx.AsyncClient(timeout=120) as client:
+            inflight = [asyncio.ensure_future(client.post(server.url + "/hidden_states", json={"input_ids": p}))
+                        for p in prompts]
+            await asyncio.sleep(0.5)  # admitted; 12 x 900 tokens at 16 tokens per engine step take seconds
+            server.signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            ready = await client.get(server.url + "/ready")
+            new = await client.post(server.url + "/hidden_states", json={"input_ids": [1, 2, 3]})
+            done = await asyncio.gather(*inflight)
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
+        assert new.status_code == 503 and new.json()["error"]["type"] == "draining"
+        assert "retry-after" in new.headers
+        assert [r.status_code for r in done] == [200] * 12
+        assert [decode(r.content).token_ids.tolist() for r in done] == prompts
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+
+
+# ------------------------------------------------------------------------ engine death
+
+async def test_injected_engine_failure_gives_500_health_503_and_nonzero_exit(tiny_model, log_dir):
+    need_vllm()
+    inject = Path(__file__).parent / "fault_inject"
+    env = engine_env(HSX_FAULT_TOKEN="999",
+                     PYTHONPATH=os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")]))
+    server = ServerProcess(str(tiny_model), "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
+                           log_dir=log_dir, name="faulty", env=env).wait_ready()
+    try:
+        async with httpx.AsyncClient(timeout=120) as client:
+            ok = await client.post(server.url + "/hidden_states", json={"input_ids": [1, 5, 6]})
+            assert ok.status_code == 200
+            rs = await asyncio.gather(
+                client.post(server.url + "/hidden_states", json={"input_ids": [1, 5, 999, 6]}),
+                client.post(server.url + "/hidden_states", json={"input_ids": [1] + [8] * 300}),
+            )
+            for r in rs:
+                assert r.status_code in (500, 503), r.text
+                assert "Traceback" not in r.text and "injected" not in r.text
+            assert rs[0].status_code == 500 and rs[0].json()["error"]["type"] == "engine_error"
+            deadline = time.monotonic() + 30
+            health = None
+            while time.monotonic() < deadline:
+                try:
+                    health = (await client.get(server.url + "/health")).status_code
+                except httpx.HTTPError:
+                    break  # already exited
+                if health == 503:
+                    break
+                await asyncio.sleep(0.1)
+            assert health in (503, None)
+        code = server.proc.wait(60)
+        assert code not in (0, None), code
+    finally:
+        server.stop()
+
+
+def test_killed_engine_process_exits_nonzero(tiny_model, log_dir):
+    need_vllm()
+    server = ServerProcess(str(tiny_model), "--dtype", "float32", "--max-model-len", "1024",
+                           log_dir=log_dir, name="killed").wait_ready()
+    try:
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        engine = [c for c in children if "EngineCore" in " ".join(c.cmdline()) or "EngineCore" in c.name()]
+        victim = (engine or children)[0]
+        victim.kill()
+        code = server.proc.wait(90)
+        assert code != 0
+    finally:
+        server.stop()
+
