@@ -122,6 +122,7 @@ class ExtractConfig:
     shuffle: bool | None = None
     max_samples: int | None = None
     concurrency_per_server: int = 8
+    compression: str = "auto"  # auto: zstd from remote servers only (see HsxClient)
     api_key: str | None = None
     timeout: float = 600.0
     max_attempts: int = 10
@@ -331,6 +332,7 @@ class Extractor:
             max_attempts=cfg.max_attempts,
             unhealthy_cooldown=cfg.unhealthy_cooldown,
             transport=self.transport,
+            compression=cfg.compression,
         ) as client:
             self.client = client
             info = await client.info()

@@ -548,12 +548,13 @@ class Server:
         self._log.close()
 
 
-def _patch_client_codec(codec: str) -> None:
-    """codec none: the client asks for identity (the server then sends raw bytes)."""
-    if codec == "none":
-        import hsx_client.api as api
+_COMPRESSION = ["zstd"]
 
-        api._zstd_available = lambda: False  # noqa: SLF001 - read by HsxClient.__init__
+
+def _patch_client_codec(codec: str) -> None:
+    """codec none: the client asks for identity (the server then sends raw bytes);
+    otherwise zstd, even from this local server (the client's `auto` would not)."""
+    _COMPRESSION[0] = "none" if codec == "none" else "zstd"
 
 
 async def _fire(url: str, prompts: list[list[int]], concurrency: int, on_done=None) -> dict[str, int]:
@@ -563,7 +564,7 @@ async def _fire(url: str, prompts: list[list[int]], concurrency: int, on_done=No
     sem = asyncio.Semaphore(concurrency)
     totals = {"wire": 0, "body": 0, "n": 0}
 
-    async with HsxClient([url], concurrency_per_server=concurrency) as client:
+    async with HsxClient([url], concurrency_per_server=concurrency, compression=_COMPRESSION[0]) as client:
         async def one(p: list[int]) -> None:
             async with sem:
                 r = await client.hidden_states_response({"input_ids": p})
@@ -606,6 +607,15 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
         t = time.monotonic()
         asyncio.run(_fire(server.url, warm, args.concurrency))
         log(f"(c) warm-up: {len(warm)} prompts in {time.monotonic() - t:.1f}s")
+        # Profile point: server + HTTP + decompression only (bodies dropped, nothing written),
+        # on fresh prompts of the same shape, so (c)'s gap splits into server vs client side.
+        fresh = make_prompts(len(prompts), ctx["prompt_len"], ctx["vocab"], ctx["seed"] + 777)
+        t = time.monotonic()
+        fired = asyncio.run(_fire(server.url, fresh, args.concurrency))
+        dt = time.monotonic() - t
+        res["server_http_only"] = {"tokens_per_s": len(fresh) * ctx["prompt_len"] / dt, "seconds": dt,
+                                   "wire_bytes": fired["wire"], "body_bytes": fired["body"]}
+        log(f"(c) server+HTTP+decompress only (bodies dropped): {res['server_http_only']['tokens_per_s']:,.0f} tokens/s")
         hwm_reset = reset_own_hwm()
         timings: dict[str, Any] = {}
         total = len(prompts)
@@ -648,6 +658,7 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
         cfg = hx.ExtractConfig(
             servers=[server.url], output=out_dir, inputs=[str(inputs)], format="speculators",
             concurrency_per_server=args.concurrency, quiet=True, timeout=max(600.0, timeout),
+            compression=_COMPRESSION[0],
         )
         log(f"(c) measuring {total} prompts x {ctx['prompt_len']} tokens, concurrency {args.concurrency}, "
             f"codec {args.codec} -> {out_dir}")
@@ -679,12 +690,33 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
         if args.rss_soak:
             res["soak"] = soak(server.url, sampler, ctx, args)
     finally:
+        try:
+            res["server_phases"] = server_phases(server.url)
+            log("(c) server time per request by phase (mean s): " + ", ".join(
+                f"{k} {v['mean_s']:.4f}" for k, v in res["server_phases"].items()))
+        except Exception as exc:  # profile only
+            log(f"(c) no phase metrics: {exc}")
         if sampler is not None:
             res["engine_memory"] = sampler.stop()
         server.stop()
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)
     return res
+
+
+def server_phases(url: str) -> dict[str, dict[str, float]]:
+    """Mean seconds per request in each server phase (tokenize, engine, copy, send)."""
+    import httpx
+
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(("hsx_phase_seconds_sum", "hsx_phase_seconds_count")):
+            name, value = line.rsplit(" ", 1)
+            phase = name.split('phase="')[1].split('"')[0]
+            (sums if name.startswith("hsx_phase_seconds_sum") else counts)[phase] = float(value)
+    return {p: {"mean_s": sums[p] / counts[p], "count": counts[p], "total_s": sums[p]}
+            for p in sums if counts.get(p)}
 
 
 def check_corpus(out_dir: Path, prompts: list[list[int]], ctx: dict[str, Any]) -> dict[str, Any]:
@@ -797,6 +829,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"-> {c['tokens_per_s_with_finalize']:,.0f} tokens/s with it; corpus "
             f"{c['corpus'].get('rows')} rows, {fmt_bytes(c['corpus'].get('disk_bytes'))}"
         )
+        if c.get("server_http_only"):
+            so = c["server_http_only"]
+            ratio = so["tokens_per_s"] / modes["a"]["tokens_per_s"] if "a" in modes else None
+            lines.append(f"(c) profile: server + HTTP + decompression alone (bodies dropped) "
+                         f"{so['tokens_per_s']:,.0f} tokens/s" + (f" = {ratio:.3f} of (a)" if ratio else ""))
         cm, em = c.get("client_memory") or {}, c.get("engine_memory") or {}
         lines.append(f"(c) server: API process peak RSS {fmt_bytes(em.get('root_peak_rss'))}, whole tree "
                      f"{fmt_bytes(em.get('peak_rss_sum'))} RSS / {fmt_bytes(em.get('peak_pss_sum'))} PSS; "

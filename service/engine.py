@@ -315,7 +315,7 @@ class Extractor:
         assert self.allocator is not None
         self.allocator.free(extent)
 
-    async def extract(self, token_ids: list[int], layer_index: list[int], extent: Extent, request_id: str) -> None:
+    async def extract(self, token_ids: list[int], layer_index: list[int], extent: Extent, request_id: str) -> dict:
         """Prefill `token_ids`; on return the states are in `extent`. The caller frees
         the extent only through `release_after`, which waits for the worker's notice."""
         from vllm import SamplingParams
@@ -352,14 +352,19 @@ class Extractor:
         if not msg["ok"]:
             self.free(extent)
             raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
+        return msg["timing"]
 
     async def _prefill(self, token_ids: list[int], params: Any, request_id: str, notice: asyncio.Future) -> dict:
         from vllm.inputs import TokensPrompt
 
+        t0 = time.perf_counter()
         async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
             pass
+        t1 = time.perf_counter()
         # The output can arrive before the worker's copy notice (or after): wait for both.
-        return await asyncio.shield(notice)
+        msg = await asyncio.shield(notice)
+        msg["timing"] = {"engine": t1 - t0, "copy": time.perf_counter() - t1}
+        return msg
 
     async def _release_on_notice(self, notice: asyncio.Future, extent: Extent, key: str) -> None:
         try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
 
 
 class Metrics:
@@ -26,6 +26,10 @@ class Metrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=r,
         )
+        # Where a request's time goes: tokenize, engine (queue + prefill), copy (prefill
+        # done -> the worker's copy landed in the arena), send (body serialized,
+        # compressed and written to the socket).
+        self.phase = Summary("hsx_phase_seconds", "Time per request phase", ["phase"], registry=r)
         self._raw_total = 0
         self._wire_total = 0
 

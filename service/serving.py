@@ -117,7 +117,9 @@ class HiddenStatesService:
     # ------------------------------------------------------------------- the request
     async def run(self, req: HiddenStatesRequest, request_id: str, zstd: bool):
         """Return (headers, async body iterator). Raises ServiceError on refusal."""
+        t_start = time.perf_counter()
         prep = await self.prepare(req)
+        self.metrics.phase.labels("tokenize").observe(time.perf_counter() - t_start)
         ids = prep.encoded.token_ids
         n = len(ids)
         self.admit(n)
@@ -143,7 +145,7 @@ class HiddenStatesService:
             self._gauges()
 
         try:
-            await self.extractor.extract(ids, prep.layer_index, extent, request_id)
+            timing = await self.extractor.extract(ids, prep.layer_index, extent, request_id)
         except BaseException:
             # extract() owns the arena range on failure; only the counters are ours.
             released = True
@@ -153,6 +155,9 @@ class HiddenStatesService:
             self.metrics.requests.labels("error").inc()
             raise
 
+        for phase, seconds in timing.items():
+            self.metrics.phase.labels(phase).observe(seconds)
+        t_send = time.perf_counter()
         f = self.facts
         specs = [
             TensorSpec("hidden_states", ST_DTYPES[f.dtype], (n, len(prep.layer_ids), f.hidden_size)),
@@ -188,6 +193,7 @@ class HiddenStatesService:
             self.metrics.tokens.inc(n)
             self.metrics.requests.labels("ok" if stats.raw == body.nbytes else "aborted").inc()
             self.metrics.latency.observe(time.perf_counter() - started)
+            self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
 
         body = Body(parts, on_close)
         headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n)}

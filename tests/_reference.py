@@ -12,7 +12,7 @@ import torch
 def load(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(torch.float32)  # fp32 whatever was saved
     model.eval()
     return model
 

@@ -150,7 +150,7 @@ def dead_url() -> str:
 async def test_zstd_over_real_socket(live_server):
     url, app = live_server
     app.mode = "ok"
-    async with fast_client([url], api_key="sekret") as c:
+    async with fast_client([url], api_key="sekret", compression="zstd") as c:
         d = await c.hidden_states(input_ids=[5, 6, 7], request_id="my-id")
         assert d.hidden_states.shape == (3, L, H)
         assert d.token_ids.tolist() == [5, 6, 7]
@@ -165,6 +165,16 @@ async def test_zstd_over_real_socket(live_server):
     assert "zstd" in h["accept-encoding"]
     assert h["authorization"] == "Bearer sekret"
     assert h["x-request-id"] == "my-id"
+
+
+async def test_compression_auto_skips_zstd_for_local_servers(live_server):
+    url, app = live_server
+    app.mode = "ok"
+    async with fast_client([url]) as c:  # compression="auto", and the server is on 127.0.0.1
+        await c.hidden_states(input_ids=[5, 6, 7])
+    assert app.seen_headers[-1]["accept-encoding"] == "identity"
+    assert HsxClient(["http://gpu-node-3:8001"])._encoding_for("http://gpu-node-3:8001") == "zstd"
+    assert HsxClient(["http://localhost:8001"], compression="zstd")._encoding_for("http://localhost:8001") == "zstd"
 
 
 async def test_failover_connection_refused(live_server):
