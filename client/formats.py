@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from hsx import wire
+
 from .postnorm import FinalNorm, apply_final_norm
 from .vocab import count_supervised, specforge_vocab_files, speculators_vocab_files
 
@@ -266,11 +268,16 @@ class SpeculatorsFormat:
         import safetensors.torch
 
         hs, ids, mask, source = _check_decoded(decoded, ctx)
-        body = safetensors.torch.save(
-            {"hidden_states": hs.contiguous(), "token_ids": torch.from_numpy(ids.copy())},
-            metadata={"format": "hsx-speculators/1", "index": str(int(index)),
-                      "layer_ids": json.dumps(list(ctx.layer_ids))},
+        # The safetensors file is laid out here from the states' own bytes: one copy
+        # (safetensors.torch.save made several and ran at ~0.3 GB/s on 34 MB samples).
+        hs = hs.contiguous()
+        ids = np.ascontiguousarray(ids, dtype="<i8")
+        header = wire.encode_header(
+            [wire.TensorSpec("hidden_states", wire.ST_DTYPES[str(hs.dtype).removeprefix("torch.")], tuple(hs.shape)),
+             wire.TensorSpec("token_ids", "I64", tuple(ids.shape))],
+            {"format": "hsx-speculators/1", "index": str(int(index)), "layer_ids": json.dumps(list(ctx.layer_ids))},
         )
+        body = b"".join([header, hs.view(torch.uint8).reshape(-1).numpy().data, ids.data])
         return SampleOutput({self.hs_path(index): body}, _record(ids, mask, source, ctx))
 
     def _read_ids(self, out_dir: Path, index: int) -> np.ndarray:
