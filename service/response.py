@@ -10,6 +10,7 @@ holds a view of arena memory that is about to be reused.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -61,73 +62,56 @@ class Stats:
     def __init__(self) -> None:
         self.raw = 0
         self.wire = 0
+        self.complete = False  # every byte handed to the server
 
 
-def _copy_out(chunk: memoryview) -> memoryview:
+def _copy_out(chunk: memoryview, last: bool) -> memoryview:
     # numpy releases the GIL for the copy, so many responses copy in parallel threads.
     return memoryview(np.frombuffer(chunk, dtype=np.uint8).copy())
 
 
-async def stream_identity(body: Body, stats: Stats, executor: Executor | None = None) -> AsyncIterator[memoryview]:
-    """Copies, off the event loop: the transport may keep a chunk after write() returns,
-    and the arena range is reused as soon as the body ends."""
+async def _pipelined(body: Body, stats: Stats, step, executor: Executor | None) -> AsyncIterator:
+    """Run `step(chunk, is_last)` on each chunk in a worker thread, in order, one at a
+    time (a compressor is stateful), sending chunk i while chunk i+1 is processed.
+    The arena range is released only once no step reads it any more."""
     loop = asyncio.get_running_loop()
     chunks = body.chunks()
     pending: asyncio.Future | None = None
     try:
         for i, chunk in enumerate(chunks):
-            nxt = loop.run_in_executor(executor, _copy_out, chunk)
-            if pending is not None:
-                data = await pending
-                stats.raw += len(data)
-                stats.wire += len(data)
-                yield data  # sent while the next chunk is copied
-            pending = nxt
-        if pending is not None:
-            data = await pending
-            pending = None
-            stats.raw += len(data)
-            stats.wire += len(data)
-            yield data
-    finally:
-        if pending is not None and not pending.done():
-            try:
-                await asyncio.shield(pending)
-            except Exception:
-                pass
-        body.on_close()
-
-
-async def stream_zstd(body: Body, stats: Stats, level: int, executor: Executor | None) -> AsyncIterator[bytes]:
-    """One zstd frame for the whole body (httpx's decoder cannot restart between frames
-    that end on a chunk boundary). Chunk i+1 compresses in a worker thread while chunk
-    i is being sent; many responses compress in parallel on the pool."""
-    loop = asyncio.get_running_loop()
-    cobj = zstandard.ZstdCompressor(level=level).compressobj(size=body.nbytes)
-    chunks = body.chunks()
-    pending: asyncio.Future | None = None
-    try:
-        for i, chunk in enumerate(chunks):
-            done = await pending if pending is not None else b""
+            done = await pending if pending is not None else None
             stats.raw += len(chunk)
-            # The compressor is stateful: chunk i starts only after chunk i-1 ended.
-            pending = loop.run_in_executor(executor, _compress_step, cobj, chunk, i == len(chunks) - 1)
+            pending = loop.run_in_executor(executor, step, chunk, i == len(chunks) - 1)
             if done:
                 stats.wire += len(done)
-                yield done  # sent while chunk i compresses
+                yield done
         if pending is not None:
             done = await pending
             pending = None
-            stats.wire += len(done)
-            yield done
+            if done:
+                stats.wire += len(done)
+                yield done
+        stats.complete = True
     finally:
-        # A compression still running reads arena memory: wait before releasing it.
         if pending is not None and not pending.done():
             try:
                 await asyncio.shield(pending)
             except Exception:
                 pass
         body.on_close()
+
+
+def stream_identity(body: Body, stats: Stats, executor: Executor | None = None) -> AsyncIterator[memoryview]:
+    """Copies, off the event loop: the transport may keep a chunk after write() returns,
+    and the arena range is reused as soon as the body ends."""
+    return _pipelined(body, stats, _copy_out, executor)
+
+
+def stream_zstd(body: Body, stats: Stats, level: int, executor: Executor | None) -> AsyncIterator[bytes]:
+    """One zstd frame for the whole body (httpx's decoder cannot restart between frames
+    that end on a chunk boundary); many responses compress in parallel on the pool."""
+    cobj = zstandard.ZstdCompressor(level=level).compressobj(size=body.nbytes)
+    return _pipelined(body, stats, functools.partial(_compress_step, cobj), executor)
 
 
 def _compress_step(cobj, chunk: memoryview, last: bool) -> bytes:

@@ -191,7 +191,7 @@ class HiddenStatesService:
             release()
             self.metrics.sent(stats.raw, stats.wire)
             self.metrics.tokens.inc(n)
-            self.metrics.requests.labels("ok" if stats.raw == body.nbytes else "aborted").inc()
+            self.metrics.requests.labels("ok" if stats.complete else "aborted").inc()
             self.metrics.latency.observe(time.perf_counter() - started)
             self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
 
