@@ -265,8 +265,6 @@ class SpeculatorsFormat:
         return len(ctx.layer_ids) * ctx.hidden_size * item + 8 + 16
 
     def encode_sample(self, index: int, decoded: Decoded, ctx: CorpusContext) -> SampleOutput:
-        import safetensors.torch
-
         hs, ids, mask, source = _check_decoded(decoded, ctx)
         # The safetensors file is laid out here from the states' own bytes: one copy
         # (safetensors.torch.save made several and ran at ~0.3 GB/s on 34 MB samples).

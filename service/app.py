@@ -36,7 +36,6 @@ log = logging.getLogger("hsx.app")
 
 PUBLIC_PATHS = ("/health", "/ready", "/metrics")
 GUARDED_PATHS = ("/hidden_states", "/info", "/final_norm")
-DOC_PATHS = ("/docs", "/openapi.json", "/docs/oauth2-redirect", "/redoc")
 ERRORS = {
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     422: {"model": ErrorResponse, "description": "the body does not match the schema"},
@@ -116,7 +115,7 @@ class GuardMiddleware:
                 return await reply(503, "overloaded",
                                    f"{self.active} requests in progress (limit {self.max_active}); retry shortly",
                                    {"Retry-After": "1"})
-            receive = self._limited(receive, rid)
+            receive = self._limited(receive)
             self.active += 1
             try:
                 return await self.app(scope, receive, self._with_id(send, rid))
@@ -136,7 +135,7 @@ class GuardMiddleware:
 
         return send_with_id
 
-    def _limited(self, receive, rid):
+    def _limited(self, receive):
         seen = 0
         limit = self.max_body
 
@@ -274,10 +273,26 @@ def create_app(st: ServerState) -> FastAPI:
             work.cancel()
             s.metrics.requests.labels("disconnected").inc()
             return Response(status_code=499)
-        headers, stream = work.result()
-        return StreamingResponse(stream, media_type=MEDIA_TYPE, headers=headers)
+        headers, stream, close = work.result()
+        return _ReleasingStream(stream, close, media_type=MEDIA_TYPE, headers=headers)
 
     return app
+
+
+class _ReleasingStream(StreamingResponse):
+    """Frees the request's arena range however the response ends: a client that leaves
+    before the body starts leaves the generator unstarted, and its `finally` never runs."""
+
+    def __init__(self, stream, close, **kwargs):
+        super().__init__(stream, **kwargs)
+        self._close = close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # a started stream waits for its in-flight chunk
+            self._close()
 
 
 async def _client_gone(request: Request) -> None:

@@ -336,12 +336,13 @@ class Extractor:
         self.engine_running += 1
         try:
             msg = await asyncio.wait_for(self._prefill(token_ids, params, request_id, notice), self.settings.request_timeout)
-        except ValueError as exc:  # refused by vLLM's input checks, before reaching the engine
-            self.free(extent)
-            raise BadInput(f"vLLM refused the input: {exc}") from exc
         except BaseException as exc:
-            # The engine may still write this range: free it only on the worker's notice.
+            # The engine may still write this range: free it only on the connector's notice
+            # (every request the scheduler saw gets one; one vLLM refused before scheduling
+            # is held until request_timeout, which hsx's own input checks make rare).
             asyncio.get_running_loop().create_task(self._release_on_notice(notice, extent, key))
+            if isinstance(exc, ValueError):  # vLLM's own input checks
+                raise BadInput(f"vLLM refused the input: {exc}") from exc
             if isinstance(exc, asyncio.TimeoutError):
                 raise EngineTimeout(f"the engine did not finish within {self.settings.request_timeout:.0f}s") from exc
             if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):

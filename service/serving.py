@@ -116,7 +116,8 @@ class HiddenStatesService:
 
     # ------------------------------------------------------------------- the request
     async def run(self, req: HiddenStatesRequest, request_id: str, zstd: bool):
-        """Return (headers, async body iterator). Raises ServiceError on refusal."""
+        """Return (headers, async body iterator, close). `close` releases the request's
+        arena range and counters; idempotent. Raises ServiceError on refusal."""
         t_start = time.perf_counter()
         prep = await self.prepare(req)
         self.metrics.phase.labels("tokenize").observe(time.perf_counter() - t_start)
@@ -134,12 +135,13 @@ class HiddenStatesService:
         self._gauges()
         released = False
 
-        def release() -> None:
+        def release(free_extent: bool = True) -> None:
             nonlocal released
             if released:
                 return
             released = True
-            self.extractor.free(extent)
+            if free_extent:
+                self.extractor.free(extent)
             self.inflight -= 1
             self.queued_tokens -= n
             self._gauges()
@@ -147,11 +149,7 @@ class HiddenStatesService:
         try:
             timing = await self.extractor.extract(ids, prep.layer_index, extent, request_id)
         except BaseException:
-            # extract() owns the arena range on failure; only the counters are ours.
-            released = True
-            self.inflight -= 1
-            self.queued_tokens -= n
-            self._gauges()
+            release(free_extent=False)  # extract() owns the arena range on failure
             self.metrics.requests.labels("error").inc()
             raise
 
@@ -188,6 +186,9 @@ class HiddenStatesService:
         stats = Stats()
 
         def on_close() -> None:
+            # Idempotent: the stream's own end and the response's end both call it.
+            if released:
+                return
             release()
             self.metrics.sent(stats.raw, stats.wire)
             self.metrics.tokens.inc(n)
@@ -203,7 +204,7 @@ class HiddenStatesService:
         else:
             headers["Content-Length"] = str(body.nbytes)
             stream = stream_identity(body, stats)
-        return headers, stream
+        return headers, stream, on_close
 
     def _gauges(self) -> None:
         self.metrics.inflight.set(self.inflight)
