@@ -78,6 +78,10 @@ def build_extract_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", choices=["auto", "zstd", "none"], default=_env("HSX_COMPRESSION", "auto"),
                    help="ask servers for zstd responses: auto = only servers on other hosts, where the "
                         "bytes saved (~22%%) are worth the CPU (default auto; env HSX_COMPRESSION)")
+    p.add_argument("--transfer", choices=["auto", "http"], default=_env("HSX_TRANSFER", "auto"),
+                   help="auto: a server on this host hands over the states in shared memory (a lease) "
+                        "instead of an HTTP body, when it offers that and this process may map it; "
+                        "http: always bodies (default auto; env HSX_TRANSFER)")
     p.add_argument("--api-key", default=_env("HSX_API_KEY"), help="bearer token (env HSX_API_KEY)")
     p.add_argument("--timeout", type=float, default=float(_env("HSX_TIMEOUT", 600.0)), help="seconds per request (default 600)")
     p.add_argument("--max-attempts", type=_positive, default=int(_env("HSX_MAX_ATTEMPTS", 10)),
@@ -114,6 +118,7 @@ def extract_main(argv: list[str] | None = None) -> int:
         max_samples=args.max_samples,
         concurrency_per_server=args.concurrency_per_server,
         compression=args.compression,
+        transfer=args.transfer,
         api_key=args.api_key,
         timeout=args.timeout,
         max_attempts=args.max_attempts,

@@ -13,6 +13,7 @@ the request id (echoed by the server or the one the client sent) and the server 
     +-- ConnectionFailedError   no response (refused, reset, DNS, bad body)
     |   +-- RequestTimeoutError the server did not answer within the timeout
     +-- RetriesExhaustedError   gave up; `.last_error` is the final attempt's error
+    +-- LeaseExpiredError       410 on a lease release: the states read may be stale, redo
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ class ConnectionFailedError(HsxError):
 
 class RequestTimeoutError(ConnectionFailedError):
     """The server did not answer within the client's timeout."""
+
+
+class LeaseExpiredError(HsxError):
+    """A same-host lease ended before its release: the bytes read under it may have
+    been overwritten. Redo the request."""
 
 
 class RetriesExhaustedError(HsxError):

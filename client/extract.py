@@ -46,8 +46,10 @@ lock, disk, auth), 130 interrupted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import random
 import signal
@@ -63,10 +65,13 @@ from . import store
 from .errors import (
     AuthenticationError,
     HsxError,
+    LeaseExpiredError,
     RetriesExhaustedError,
     ServerError,
 )
 from .progress import Progress, format_summary
+
+log = logging.getLogger("hsx.extract")
 
 PLAN_VERSION = 1
 # Written by a format's finalize when it renumbers samples (speculators compacts failed
@@ -123,6 +128,7 @@ class ExtractConfig:
     max_samples: int | None = None
     concurrency_per_server: int = 8
     compression: str = "auto"  # auto: zstd from remote servers only (see HsxClient)
+    transfer: str = "auto"  # auto: same-host servers' states read from shared memory (leases)
     api_key: str | None = None
     timeout: float = 600.0
     max_attempts: int = 10
@@ -333,6 +339,7 @@ class Extractor:
             unhealthy_cooldown=cfg.unhealthy_cooldown,
             transport=self.transport,
             compression=cfg.compression,
+            transfer=cfg.transfer,
         ) as client:
             self.client = client
             info = await client.info()
@@ -402,6 +409,10 @@ class Extractor:
                 mask_policy=settings["mask_policy"],
             )
             self.fmt, self.ctx, self.settings, self.info = fmt, ctx, settings, info
+            try:  # what finalize needs, imported now: a missing package fails here, not after the run
+                getattr(fmt, "prepare", lambda: None)()
+            except ImportError as exc:
+                raise ConfigError(str(exc)) from exc
 
             # ---- what is done
             manifest = store.JsonlLog(out / store.MANIFEST_NAME)
@@ -633,7 +644,7 @@ class Extractor:
                 sample = by_key[key]
                 self._phase[task] = "request"
                 try:
-                    raw = await client.hidden_states_response(self._request_body(sample))
+                    raw = await client.hidden_states_response(self._request_body(sample), lease_ok=True)
                 except asyncio.CancelledError:
                     if self.stopping:
                         return  # abandoned: not done, redone on resume
@@ -665,6 +676,18 @@ class Extractor:
                     entry, written = await asyncio.shield(
                         loop.run_in_executor(pool, self._store_sample, idx, key, raw, manifest)
                     )
+                    if raw.lease is not None:
+                        # The files were written from the server's arena: they count only
+                        # if the lease was still ours when we were done (see service/lease.py).
+                        raw.lease, lease = None, raw.lease
+                        try:
+                            await client.release_lease(lease)
+                        except LeaseExpiredError as exc:
+                            log.warning("sample %d: %s; requesting it again", idx, exc)
+                            queue.append(idx)
+                            self._phase[task] = "idle"
+                            continue
+                        await loop.run_in_executor(pool, manifest.append, entry)
                 except SampleEncodeError as exc:
                     self._phase[task] = "idle"
                     self._fail(failed_log, failed, progress, idx, key, "encode", exc)
@@ -675,6 +698,10 @@ class Extractor:
                     self.fatal = exc
                     self.request_stop(f"storing failed: {exc}")
                     return
+                finally:
+                    if raw.lease is not None:  # not stored: give the range back now
+                        with contextlib.suppress(HsxError):
+                            await client.release_lease(raw.lease)
                 self._phase[task] = "idle"
                 done[idx] = entry
                 progress.sample_done(tokens=entry["tokens"], wire_bytes=raw.wire_bytes, written_bytes=written)
@@ -703,11 +730,10 @@ class Extractor:
         progress.sample_failed()
 
     def _store_sample(self, idx: int, key: str, raw: Any, manifest: store.JsonlLog) -> tuple[dict[str, Any], int]:
-        """In a pool thread: decode, encode, write files, then the manifest line."""
-        from hsx import wire
-
+        """In a pool thread: decode, encode, write files, then the manifest line (for a
+        lease, the caller appends it once the lease is released)."""
         try:
-            decoded = wire.decode(raw.body)
+            decoded = raw.decode()
             out = self.fmt.encode_sample(idx, decoded, self.ctx)
         except Exception as exc:
             raise SampleEncodeError(f"{type(exc).__name__}: {exc}") from exc
@@ -720,7 +746,8 @@ class Extractor:
             "tokens": int(len(decoded.token_ids)),
             "request_id": raw.request_id,
         }
-        manifest.append(entry)
+        if raw.lease is None:
+            manifest.append(entry)
         return entry, sum(f["size"] for f in files.values())
 
     # -------------------------------------------------------------- finalize

@@ -77,24 +77,42 @@ def _tmp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _write_fsync(path: Path, data: bytes | bytearray | memoryview) -> None:
+Buffer = bytes | bytearray | memoryview
+# A file's content: one buffer, or a list of buffers written one after the other (a
+# corpus file laid out from a small header and the states' own memory, no join copy).
+FileData = Buffer | list[Buffer] | tuple[Buffer, ...]
+
+
+def _parts(data: FileData) -> list[memoryview]:
+    parts = data if isinstance(data, (list, tuple)) else [data]
+    return [memoryview(p).cast("B") for p in parts]
+
+
+def file_size(data: FileData) -> int:
+    return sum(v.nbytes for v in _parts(data))
+
+
+def _write_fsync(path: Path, data: FileData) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.write(fd, view[: 1 << 30])
-            view = view[n:]
+        for view in _parts(data):
+            while view:
+                n = os.write(fd, view[: 1 << 30])
+                view = view[n:]
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def file_digest(data: bytes | bytearray | memoryview) -> str:
-    return hashlib.new(HASH_ALGO, data).hexdigest()
+def file_digest(data: FileData) -> str:
+    h = hashlib.new(HASH_ALGO)
+    for view in _parts(data):
+        h.update(view)
+    return h.hexdigest()
 
 
 def write_files_atomic(
-    root: Path, files: dict[str, bytes | bytearray | memoryview], *, _reserved_ok: bool = False
+    root: Path, files: dict[str, FileData], *, _reserved_ok: bool = False
 ) -> dict[str, dict[str, Any]]:
     """Store `files` (relpath -> bytes) under `root`, each atomically; return their
     {relpath: {"size", "sha256"}}. The directories are fsync'ed once each at the end."""
@@ -115,7 +133,7 @@ def write_files_atomic(
                 pass
             raise
         dirs.add(final.parent)
-        info[rel] = {"size": memoryview(data).nbytes, HASH_ALGO: file_digest(data)}
+        info[rel] = {"size": file_size(data), HASH_ALGO: file_digest(data)}
     for d in dirs:
         fsync_dir(d)
     return info

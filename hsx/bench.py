@@ -557,17 +557,21 @@ def _patch_client_codec(codec: str) -> None:
     _COMPRESSION[0] = "none" if codec == "none" else "zstd"
 
 
-async def _fire(url: str, prompts: list[list[int]], concurrency: int, on_done=None) -> dict[str, int]:
-    """Requests through HsxClient, bodies decoded and dropped (warm-up, RSS soak)."""
+async def _fire(url: str, prompts: list[list[int]], concurrency: int, on_done=None, lease: bool = False) -> dict[str, int]:
+    """Requests through HsxClient, bodies decoded and dropped (warm-up, RSS soak); with
+    `lease`, same-host leases released unread (the server side's own ceiling)."""
     from hsx_client.api import HsxClient
 
     sem = asyncio.Semaphore(concurrency)
-    totals = {"wire": 0, "body": 0, "n": 0}
+    totals = {"wire": 0, "body": 0, "n": 0, "leased": 0}
 
     async with HsxClient([url], concurrency_per_server=concurrency, compression=_COMPRESSION[0]) as client:
         async def one(p: list[int]) -> None:
             async with sem:
-                r = await client.hidden_states_response({"input_ids": p})
+                r = await client.hidden_states_response({"input_ids": p}, lease_ok=lease)
+                if r.lease is not None:
+                    totals["leased"] += 1
+                    await client.release_lease(r.lease)
             totals["wire"] += r.wire_bytes
             totals["body"] += len(r.body)
             totals["n"] += 1
@@ -580,8 +584,6 @@ async def _fire(url: str, prompts: list[list[int]], concurrency: int, on_done=No
 
 def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, prompts: list[list[int]],
                warm: list[list[int]], timeout: float) -> dict[str, Any]:
-    from hsx_client import extract as hx
-
     _patch_client_codec(args.codec_kind)
     inputs = workdir / "prompts-c.jsonl"
     with open(inputs, "w") as f:
@@ -616,75 +618,22 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
         res["server_http_only"] = {"tokens_per_s": len(fresh) * ctx["prompt_len"] / dt, "seconds": dt,
                                    "wire_bytes": fired["wire"], "body_bytes": fired["body"]}
         log(f"(c) server+HTTP+decompress only (bodies dropped): {res['server_http_only']['tokens_per_s']:,.0f} tokens/s")
-        hwm_reset = reset_own_hwm()
-        timings: dict[str, Any] = {}
-        total = len(prompts)
-
-        class TimedExtractor(hx.Extractor):
-            async def _extract(self, client, todo, *a, **kw):  # type: ignore[override]
-                async def ticker() -> None:
-                    step = max(1, total // 10)
-                    shown = 0
-                    while True:
-                        await asyncio.sleep(0.5)
-                        ok = sum(s["ok"] for s in client.stats().values()) - base
-                        if ok >= shown + step:
-                            shown = ok
-                            dt = time.monotonic() - timings["t0"]
-                            log(f"(c) {ok}/{total} samples stored, "
-                                f"{ok * ctx['prompt_len'] / max(dt, 1e-9):,.0f} tokens/s")
-
-                base = sum(s["ok"] for s in client.stats().values())  # /info, /final_norm
-                timings["t0"] = time.monotonic()
-                tick = asyncio.get_running_loop().create_task(ticker())
-                try:
-                    await super()._extract(client, todo, *a, **kw)
-                finally:
-                    tick.cancel()
-                    timings["t1"] = time.monotonic()
-                    timings["stats"] = client.stats()
-
-            def _finalize(self, plan, done, *a, **kw):  # type: ignore[override]
-                t = time.monotonic()
-                try:
-                    return super()._finalize(plan, done, *a, **kw)
-                except ImportError as exc:  # no `datasets` here: the samples are timed, the table is not
-                    timings["finalize_error"] = f"{type(exc).__name__}: {exc}"
-                    log(f"(c) finalize skipped: {timings['finalize_error']}")
-                    return {"counts": {"tokens": sum(int(e.get("tokens", 0)) for e in done.values())}}
-                finally:
-                    timings["finalize_s"] = time.monotonic() - t
-
-        cfg = hx.ExtractConfig(
-            servers=[server.url], output=out_dir, inputs=[str(inputs)], format="speculators",
-            concurrency_per_server=args.concurrency, quiet=True, timeout=max(600.0, timeout),
-            compression=_COMPRESSION[0],
-        )
-        log(f"(c) measuring {total} prompts x {ctx['prompt_len']} tokens, concurrency {args.concurrency}, "
-            f"codec {args.codec} -> {out_dir}")
-        t_run = time.monotonic()
-        result = asyncio.run(TimedExtractor(cfg).run())
-        res["run_s"] = time.monotonic() - t_run
-        if result.exit_code != 0:
-            raise RuntimeError(f"hsx extract ended {result.status}: {result.summary}\n{server.tail()}")
-        stats = next(iter(timings["stats"].values()))
-        summ = result.summary
-        measured = timings["t1"] - timings["t0"]
-        tokens = int(summ.get("tokens") or len(prompts) * ctx["prompt_len"])
-        res.update(
-            tokens=tokens, requests=int(summ["done"]), measured_s=measured, tokens_per_s=tokens / measured,
-            finalize_s=timings.get("finalize_s"), tokens_per_s_with_finalize=tokens / (measured + (timings.get("finalize_s") or 0)),
-            wire_bytes=stats["wire_bytes"], body_bytes=stats["body_bytes"],
-            hs_bytes=tokens * len(ctx["layers"]) * ctx["hidden"] * ctx["itemsize"],
-            client_retries=stats["retries"], client_errors=stats["errors"],
-            finalize_error=timings.get("finalize_error"),
-        )
-        own = proc_mem(os.getpid())
-        res["client_memory"] = {"peak_rss": own.get("VmHWM"), "rss_now": own.get("VmRSS"),
-                                "hwm_reset_before_run": hwm_reset}
-        res["corpus"] = check_corpus(out_dir, prompts, ctx)
-        log(f"(c) {res['tokens_per_s']:,.0f} tokens/s; finalize {res['finalize_s'] or 0:.1f}s; corpus "
-            f"{res['corpus'].get('rows')} rows, {fmt_bytes(res['corpus'].get('disk_bytes'))} on disk")
+        if "auto" in args.transfers:  # the server side's ceiling with leases: nothing read or written
+            t = time.monotonic()
+            fired = asyncio.run(_fire(server.url, fresh, args.concurrency, lease=True))
+            dt = time.monotonic() - t
+            res["server_lease_only"] = {"tokens_per_s": len(fresh) * ctx["prompt_len"] / dt, "seconds": dt,
+                                        "leased": fired["leased"]}
+            log(f"(c) server+lease only (states not read): {res['server_lease_only']['tokens_per_s']:,.0f} tokens/s, "
+                f"{fired['leased']}/{len(fresh)} leased")
+        for i, transfer in enumerate(args.transfers):
+            out = out_dir if i == 0 else out_dir.with_name(f"{out_dir.name}-{transfer}")
+            one = _measure_extract(ctx, args, server, inputs, out, prompts, transfer, timeout)
+            res.setdefault("by_transfer", {})[transfer] = one
+            if i == 0:  # the headline figures: the first transfer asked for (auto = lease when same host)
+                res.update(one)
+            if i > 0 and not args.keep:
+                shutil.rmtree(out, ignore_errors=True)
         if args.codec_sample:
             res["codec_on_corpus"] = measure_corpus_codecs(out_dir, args.codec_sample)
         if args.rss_soak:
@@ -701,6 +650,86 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
         server.stop()
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)
+    return res
+
+
+def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: "Server", inputs: Path, out_dir: Path,
+                     prompts: list[list[int]], transfer: str, timeout: float) -> dict[str, Any]:
+    """One timed `hsx extract` run loop (speculators corpus) against the running server."""
+    from hsx_client import extract as hx
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    res: dict[str, Any] = {"transfer": transfer}
+    hwm_reset = reset_own_hwm()
+    timings: dict[str, Any] = {}
+    total = len(prompts)
+
+    class TimedExtractor(hx.Extractor):
+        async def _extract(self, client, todo, *a, **kw):  # type: ignore[override]
+            async def ticker() -> None:
+                step = max(1, total // 10)
+                shown = 0
+                while True:
+                    await asyncio.sleep(0.5)
+                    ok = sum(s["ok"] for s in client.stats().values()) - base
+                    if ok >= shown + step:
+                        shown = ok
+                        dt = time.monotonic() - timings["t0"]
+                        log(f"(c) {ok}/{total} samples stored, "
+                            f"{ok * ctx['prompt_len'] / max(dt, 1e-9):,.0f} tokens/s")
+
+            base = sum(s["ok"] for s in client.stats().values())  # /info, /final_norm
+            timings["t0"] = time.monotonic()
+            tick = asyncio.get_running_loop().create_task(ticker())
+            try:
+                await super()._extract(client, todo, *a, **kw)
+            finally:
+                tick.cancel()
+                timings["t1"] = time.monotonic()
+                timings["stats"] = client.stats()
+
+        def _finalize(self, plan, done, *a, **kw):  # type: ignore[override]
+            t = time.monotonic()
+            try:
+                return super()._finalize(plan, done, *a, **kw)
+            except ImportError as exc:  # no `datasets` here: the samples are timed, the table is not
+                timings["finalize_error"] = f"{type(exc).__name__}: {exc}"
+                log(f"(c) finalize skipped: {timings['finalize_error']}")
+                return {"counts": {"tokens": sum(int(e.get("tokens", 0)) for e in done.values())}}
+            finally:
+                timings["finalize_s"] = time.monotonic() - t
+
+    cfg = hx.ExtractConfig(
+        servers=[server.url], output=out_dir, inputs=[str(inputs)], format="speculators",
+        concurrency_per_server=args.concurrency, quiet=True, timeout=max(600.0, timeout),
+        compression=_COMPRESSION[0], transfer=transfer,
+    )
+    log(f"(c) measuring {total} prompts x {ctx['prompt_len']} tokens, concurrency {args.concurrency}, "
+        f"transfer {transfer}, codec {args.codec} -> {out_dir}")
+    t_run = time.monotonic()
+    result = asyncio.run(TimedExtractor(cfg).run())
+    res["run_s"] = time.monotonic() - t_run
+    if result.exit_code != 0:
+        raise RuntimeError(f"hsx extract ended {result.status}: {result.summary}\n{server.tail()}")
+    stats = next(iter(timings["stats"].values()))
+    summ = result.summary
+    measured = timings["t1"] - timings["t0"]
+    tokens = int(summ.get("tokens") or len(prompts) * ctx["prompt_len"])
+    res.update(
+        tokens=tokens, requests=int(summ["done"]), measured_s=measured, tokens_per_s=tokens / measured,
+        finalize_s=timings.get("finalize_s"), tokens_per_s_with_finalize=tokens / (measured + (timings.get("finalize_s") or 0)),
+        wire_bytes=stats["wire_bytes"], body_bytes=stats["body_bytes"],
+        hs_bytes=tokens * len(ctx["layers"]) * ctx["hidden"] * ctx["itemsize"],
+        client_retries=stats["retries"], client_errors=stats["errors"],
+        finalize_error=timings.get("finalize_error"),
+    )
+    own = proc_mem(os.getpid())
+    res["client_memory"] = {"peak_rss": own.get("VmHWM"), "rss_now": own.get("VmRSS"),
+                            "hwm_reset_before_run": hwm_reset}
+    res["corpus"] = check_corpus(out_dir, prompts, ctx)
+    log(f"(c) [{transfer}] {res['tokens_per_s']:,.0f} tokens/s; finalize {res['finalize_s'] or 0:.1f}s; corpus "
+        f"{res['corpus'].get('rows')} rows, {fmt_bytes(res['corpus'].get('disk_bytes'))} on disk")
     return res
 
 
@@ -799,7 +828,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"model {result['model']['num_hidden_layers']} layers x {result['model']['hidden_size']} hidden "
         f"({result['dtype']}), {result['prompts']['count']} prompts x {result['prompts']['length']} tokens, "
-        f"layers {result['layers']}, concurrency {result['concurrency']}, codec {result['codec']}",
+        f"layers {result['layers']}, concurrency {result['concurrency']}, codec {result['codec']}, "
+        f"transfer {result.get('transfer', 'http')}",
         f"{'mode':<26}{'tokens/s':>12}{'GB/s states':>13}{'vs (a)':>8}{'vs (b)':>8}{'time s':>9}  engine peak RSS / PSS",
     ]
     for m in ("a", "b", "c"):
@@ -829,11 +859,22 @@ def format_table(result: dict[str, Any]) -> str:
             f"-> {c['tokens_per_s_with_finalize']:,.0f} tokens/s with it; corpus "
             f"{c['corpus'].get('rows')} rows, {fmt_bytes(c['corpus'].get('disk_bytes'))}"
         )
+        for t, one in (c.get("by_transfer") or {}).items():
+            ratio = one["tokens_per_s"] / modes["a"]["tokens_per_s"] if "a" in modes else None
+            lines.append(f"(c) transfer {t}: {one['tokens_per_s']:,.0f} tokens/s"
+                         + (f" = {ratio:.3f} of (a)" if ratio else "")
+                         + f", wire {fmt_bytes(one['wire_bytes'])}, client peak RSS "
+                         f"{fmt_bytes((one.get('client_memory') or {}).get('peak_rss'))}")
         if c.get("server_http_only"):
             so = c["server_http_only"]
             ratio = so["tokens_per_s"] / modes["a"]["tokens_per_s"] if "a" in modes else None
             lines.append(f"(c) profile: server + HTTP + decompression alone (bodies dropped) "
                          f"{so['tokens_per_s']:,.0f} tokens/s" + (f" = {ratio:.3f} of (a)" if ratio else ""))
+        if c.get("server_lease_only"):
+            so = c["server_lease_only"]
+            ratio = so["tokens_per_s"] / modes["a"]["tokens_per_s"] if "a" in modes else None
+            lines.append(f"(c) profile: server + leases alone (released unread) {so['tokens_per_s']:,.0f} tokens/s"
+                         + (f" = {ratio:.3f} of (a)" if ratio else ""))
         cm, em = c.get("client_memory") or {}, c.get("engine_memory") or {}
         lines.append(f"(c) server: API process peak RSS {fmt_bytes(em.get('root_peak_rss'))}, whole tree "
                      f"{fmt_bytes(em.get('peak_rss_sum'))} RSS / {fmt_bytes(em.get('peak_pss_sum'))} PSS; "
@@ -893,6 +934,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", help="layer ids, e.g. 2,8,13,16 (default [2, N//2, N-3, N])")
     p.add_argument("--concurrency", type=int, help="(c): requests in flight from the client")
     p.add_argument("--warmup", type=int, help="warm-up prompts per mode (not measured)")
+    p.add_argument("--transfer", default="auto",
+                   help="(c) client transfer, or several comma-separated, each timed on the same server "
+                        "(the first is the headline): auto = shared-memory leases from this same-host "
+                        "server, http = response bodies [auto]")
     p.add_argument("--codec", default="zstd:1",
                    help="(c) response coding: zstd:LEVEL (server --zstd-level) or none [zstd:1]")
     p.add_argument("--dtype", default="bfloat16", help="engine --dtype for every mode [bfloat16]")
@@ -937,6 +982,10 @@ def main(argv: list[str]) -> int:
             print("hsx bench: give --model DIR, --make-model SPEC, --quick or --h200", file=sys.stderr)
             return 2
         args.make_model = preset["make_model"]
+    args.transfers = [t.strip() for t in args.transfer.split(",") if t.strip()]
+    if not args.transfers or set(args.transfers) - {"auto", "http"}:
+        print(f"hsx bench: --transfer {args.transfer!r}: use auto, http or both comma-separated", file=sys.stderr)
+        return 2
     if args.codec == "none":
         args.codec_kind, args.codec_level = "none", None
     elif args.codec.startswith("zstd"):
@@ -1021,6 +1070,7 @@ def _run(args: argparse.Namespace, modes: list[str], workdir: Path) -> int:
         "prompts": {"count": args.prompts, "length": args.prompt_len, "seed": args.seed, "warmup": args.warmup},
         "concurrency": args.concurrency,
         "codec": args.codec,
+        "transfer": args.transfer,
         "engine_flags": engine_flags,
         "server_args": args.server_arg,
         "hardware": hardware(),

@@ -22,6 +22,10 @@ import numpy as np
 
 FORMAT = "hsx-hidden-states/1"
 MEDIA_TYPE = "application/x-safetensors"
+# Same-host transfer (service/lease.py): the same file without the hidden_states bytes;
+# `__metadata__["lease"]` (JSON) says where they lie in the server's shared arena:
+# {"id", "arena_id", "offset", "nbytes", "dtype", "shape", "expires_in"}.
+LEASE_MEDIA_TYPE = "application/vnd.hsx.lease+safetensors"
 
 # safetensors dtype names <-> torch dtype names (the ones a served model can have).
 ST_DTYPES = {
@@ -101,11 +105,24 @@ def parse_header(body: bytes | memoryview) -> tuple[dict[str, Any], int]:
 _TORCH = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I64": "int64", "U8": "uint8"}
 
 
-def decode(body: bytes | bytearray | memoryview) -> Decoded:
+def lease_of(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The lease description of a `LEASE_MEDIA_TYPE` body."""
+    header, _ = parse_header(body)
+    try:
+        lease = json.loads(header.get("__metadata__", {})["lease"])
+        for key in ("id", "arena_id", "offset", "nbytes", "dtype", "shape"):
+            lease[key]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireFormatError(f"lease response without a valid lease description: {exc}") from exc
+    return lease
+
+
+def decode(body: bytes | bytearray | memoryview, states: memoryview | None = None) -> Decoded:
     """Decode an (already decompressed) response body. Checks sizes and agreement.
 
     Zero-copy: the tensors are views of `body` (tens of MB per response; copies here
-    were a measurable part of the client's cost)."""
+    were a measurable part of the client's cost). For a lease body, `states` is the
+    leased arena range: hidden_states becomes a view of it."""
     import warnings
 
     import torch
@@ -118,6 +135,9 @@ def decode(body: bytes | bytearray | memoryview) -> Decoded:
             f"body holds {len(body) - start} data bytes, the header describes {expected} (truncated?)"
         )
     meta = header.get("__metadata__", {})
+    if states is not None:
+        lease = lease_of(body)
+        entries["hidden_states"] = {"dtype": lease["dtype"], "shape": lease["shape"], "external": states}
     for name in ("hidden_states", "token_ids"):
         if name not in entries:
             raise WireFormatError(f"response lacks the {name!r} tensor")
@@ -127,7 +147,11 @@ def decode(body: bytes | bytearray | memoryview) -> Decoded:
         dtype = _TORCH.get(e.get("dtype"))
         if dtype is None:
             raise WireFormatError(f"tensor {name!r} has unsupported dtype {e.get('dtype')!r}")
-        lo, hi = e["data_offsets"]
+        if "external" in e:
+            src = memoryview(e["external"]).cast("B")
+            lo, hi = 0, src.nbytes
+        else:
+            src, lo, hi = view, start + e["data_offsets"][0], start + e["data_offsets"][1]
         shape = tuple(e["shape"])
         n = 1
         for d in shape:
@@ -136,7 +160,7 @@ def decode(body: bytes | bytearray | memoryview) -> Decoded:
             raise WireFormatError(f"tensor {name!r}: {hi - lo} bytes for shape {shape}")
         with warnings.catch_warnings():  # read-only bodies are fine: nobody writes into them
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(view[start + lo : start + hi], dtype=getattr(torch, dtype)) if n else \
+            flat = torch.frombuffer(src[lo:hi], dtype=getattr(torch, dtype)) if n else \
                 torch.empty(0, dtype=getattr(torch, dtype))
         tensors[name] = flat.view(shape)
     hs = tensors["hidden_states"]

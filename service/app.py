@@ -20,13 +20,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hsx import __version__ as hsx_version
-from hsx.wire import MEDIA_TYPE, TensorSpec, encode_header
+from hsx.wire import LEASE_MEDIA_TYPE, MEDIA_TYPE, TensorSpec, encode_header
 from hsx_service.errors import (
+    LeaseGone,
     NotAvailable,
     NotReady,
     error_body,
     install_error_handlers,
 )
+from hsx_service.lease import ArenaSocket, boot_id
 from hsx_service.metrics import Metrics
 from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus
 from hsx_service.response import accepts_zstd
@@ -35,7 +37,7 @@ from hsx_service.settings import ServiceSettings
 log = logging.getLogger("hsx.app")
 
 PUBLIC_PATHS = ("/health", "/ready", "/metrics")
-GUARDED_PATHS = ("/hidden_states", "/info", "/final_norm")
+GUARDED_PATHS = ("/hidden_states", "/info", "/final_norm", "/leases/")  # a trailing / guards the subtree
 ERRORS = {
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     422: {"model": ErrorResponse, "description": "the body does not match the schema"},
@@ -59,6 +61,7 @@ class ServerState:
     startup_error: str | None = None
     on_engine_dead: Any = None  # callable, set by cli.py: exit non-zero
     on_startup_failed: Any = None
+    arena_socket: Any = None  # hsx_service.lease.ArenaSocket when same-host leases are on
 
 
 def state(request: Request) -> ServerState:
@@ -91,7 +94,7 @@ class GuardMiddleware:
                                 headers={"X-Request-Id": rid, **(extra or {})})
             await resp(scope, receive, send)
 
-        if self.keys and path in GUARDED_PATHS:
+        if self.keys and any(path == p or (p.endswith("/") and path.startswith(p)) for p in GUARDED_PATHS):
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             given = token.strip().encode()
@@ -164,6 +167,10 @@ def create_app(st: ServerState) -> FastAPI:
         finally:
             watch.cancel()
             task.cancel()
+            if st.arena_socket is not None:
+                st.arena_socket.close()
+            if st.service is not None and st.service.leases is not None:
+                st.service.leases.end_all()
             st.extractor.shutdown()
 
     app = FastAPI(
@@ -226,6 +233,12 @@ def create_app(st: ServerState) -> FastAPI:
             "chat_template_sha256": s.service.tokenizer.template_sha256,
             "vllm_version": f.vllm_version,
             "hsx_version": hsx_version,
+            "shm_lease": None if s.arena_socket is None else {
+                "socket": s.arena_socket.address,
+                "arena_id": s.extractor.arena.arena_id,
+                "boot_id": boot_id(),
+                "lease_timeout": s.settings.lease_timeout,
+            },
         }
 
     @app.get(
@@ -251,7 +264,12 @@ def create_app(st: ServerState) -> FastAPI:
         summary="Prefill one input and return its hidden states as a safetensors body",
         response_class=StreamingResponse,
         responses={
-            200: {"content": {MEDIA_TYPE: {}}, "description": "safetensors: hidden_states [T, L, H], token_ids, loss_mask"},
+            200: {
+                "content": {MEDIA_TYPE: {}, LEASE_MEDIA_TYPE: {}},
+                "description": "safetensors: hidden_states [T, L, H], token_ids, loss_mask; with "
+                f"Accept: {LEASE_MEDIA_TYPE} (same host, see /info shm_lease) the states stay in shared "
+                "memory and the metadata's 'lease' says where; release it with DELETE /leases/{id}",
+            },
             **ERRORS,
             400: {"model": ErrorResponse, "description": "bad input"},
             413: {"model": ErrorResponse, "description": "body or token count over the limit"},
@@ -262,7 +280,10 @@ def create_app(st: ServerState) -> FastAPI:
     async def hidden_states(body: HiddenStatesRequest, request: Request):
         s = _serving(request)
         rid = request.state.request_id
-        work = asyncio.ensure_future(s.service.run(body, rid, accepts_zstd(request.headers.get("accept-encoding"))))
+        lease = s.service.leases is not None and LEASE_MEDIA_TYPE in request.headers.get("accept", "")
+        work = asyncio.ensure_future(
+            s.service.run(body, rid, accepts_zstd(request.headers.get("accept-encoding")), lease)
+        )
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -274,7 +295,24 @@ def create_app(st: ServerState) -> FastAPI:
             s.metrics.requests.labels("disconnected").inc()
             return Response(status_code=499)
         headers, stream, close = work.result()
-        return _ReleasingStream(stream, close, media_type=MEDIA_TYPE, headers=headers)
+        return _ReleasingStream(stream, close, media_type=headers.pop("Content-Type"), headers=headers)
+
+    @app.delete(
+        "/leases/{lease_id}",
+        summary="Release a same-host lease once its states are read",
+        status_code=204,
+        response_class=Response,
+        responses={
+            204: {"description": "released: the bytes read under this lease were valid"},
+            410: {"model": ErrorResponse, "description": "unknown or expired: the range may have been reused, redo the request"},
+            **ERRORS,
+        },
+    )
+    async def release_lease(lease_id: str, request: Request):
+        s = _serving(request)
+        if not s.service.release_lease(lease_id):
+            raise LeaseGone(f"lease {lease_id[:64]!r} is unknown or expired; its states may be overwritten, redo the request")
+        return Response(status_code=204)
 
     return app
 
@@ -332,6 +370,9 @@ async def _start_engine(st: ServerState) -> None:
             log.warning("final norm unavailable: %s", exc)
         st.service = HiddenStatesService(st.settings, st.extractor, tokenizer, st.metrics)
         await st.extractor.self_test()
+        if st.service.leases is not None:
+            arena = st.extractor.arena
+            st.arena_socket = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, st.settings.api_key).start()
         st.loading = False
         log.info("ready: %s, layers %s", f.served_model_name, f.layer_ids)
     except asyncio.CancelledError:

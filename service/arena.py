@@ -89,11 +89,15 @@ class Allocator:
 class SharedArena:
     """The mapping itself. `create` in the API process, `attach` in a worker."""
 
-    def __init__(self, path: str, size: int, mm: mmap.mmap):
+    def __init__(self, path: str, size: int, mm: mmap.mmap, ro_fd: int | None = None):
         self.path = path
         self.size = size
         self.mm = mm
         self.view = memoryview(mm)
+        # A read-only descriptor of the same file, kept for same-host clients (lease.py):
+        # it stays valid after the name is unlinked and cannot be used to write.
+        self.ro_fd = ro_fd
+        self.arena_id = uuid.uuid4().hex
 
     @classmethod
     def create(cls, directory: str, size: int) -> "SharedArena":
@@ -105,9 +109,10 @@ class SharedArena:
         try:
             os.ftruncate(fd, size)  # sparse: pages are only taken when written
             mm = mmap.mmap(fd, size)
+            ro_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         finally:
             os.close(fd)
-        return cls(path, size, mm)
+        return cls(path, size, mm, ro_fd)
 
     @classmethod
     def attach(cls, path: str, size: int) -> "SharedArena":
@@ -131,6 +136,9 @@ class SharedArena:
 
     def close(self) -> None:
         self.unlink()
+        if self.ro_fd is not None:
+            os.close(self.ro_fd)
+            self.ro_fd = None
         try:
             self.view.release()
             self.mm.close()

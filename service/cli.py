@@ -136,10 +136,15 @@ def run_server(app, state, settings: ServiceSettings) -> int:
             if service is not None:
                 service.draining = True
                 deadline = time.monotonic() + settings.shutdown_timeout
-                while service.inflight > 0 and time.monotonic() < deadline:
+                # Leases count too: a same-host client still reading its states would
+                # otherwise see the server go before its release, and redo the sample.
+                def busy() -> int:
+                    return service.inflight + (len(service.leases) if service.leases is not None else 0)
+
+                while busy() > 0 and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
-                if service.inflight:
-                    logging.getLogger("hsx").warning("drain timeout: %d requests cut off", service.inflight)
+                if busy():
+                    logging.getLogger("hsx").warning("drain timeout: %d requests or leases cut off", busy())
             self.should_exit = True
 
         def fail(self, reason: str) -> None:

@@ -53,6 +53,10 @@ class UnsupportedMedia(ServiceError):
     status, type = 415, "unsupported_media_type"
 
 
+class LeaseGone(ServiceError):
+    status, type = 410, "lease_gone"
+
+
 class Overloaded(ServiceError):
     status, type = 503, "overloaded"
 

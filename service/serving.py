@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hsx import __version__ as hsx_version
-from hsx.wire import FORMAT, ST_DTYPES, TensorSpec, encode_header
+from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, MEDIA_TYPE, ST_DTYPES, TensorSpec, encode_header
 from hsx_service.engine import Extractor
 from hsx_service.errors import BadInput, Draining, NotReady, Overloaded, ServiceError, TooLarge
+from hsx_service.lease import Leases
 from hsx_service.metrics import Metrics
 from hsx_service.protocol import HiddenStatesRequest
 from hsx_service.response import Body, Stats, stream_identity, stream_zstd
@@ -44,6 +46,7 @@ class HiddenStatesService:
         self.inflight = 0
         self.queued_tokens = 0
         self.draining = False
+        self.leases = Leases(settings.lease_timeout) if settings.shm_lease else None
 
     # ------------------------------------------------------------------ validation
     def _layers(self, asked: list[int] | None) -> tuple[list[int], list[int]]:
@@ -115,9 +118,11 @@ class HiddenStatesService:
             )
 
     # ------------------------------------------------------------------- the request
-    async def run(self, req: HiddenStatesRequest, request_id: str, zstd: bool):
+    async def run(self, req: HiddenStatesRequest, request_id: str, zstd: bool, lease: bool = False):
         """Return (headers, async body iterator, close). `close` releases the request's
-        arena range and counters; idempotent. Raises ServiceError on refusal."""
+        arena range and counters; idempotent. Raises ServiceError on refusal.
+        `lease`: answer with a lease on the arena range instead of the states' bytes
+        (lease.py); the range then lives until the lease is released or expires."""
         t_start = time.perf_counter()
         prep = await self.prepare(req)
         self.metrics.phase.labels("tokenize").observe(time.perf_counter() - t_start)
@@ -165,6 +170,13 @@ class HiddenStatesService:
         if prep.encoded.loss_mask is not None:
             specs.append(TensorSpec("loss_mask", "U8", (n,)))
             parts.append(np.asarray(prep.encoded.loss_mask, dtype=np.uint8).tobytes())
+        lease_id = None
+        if lease and self.leases is not None:
+            states = specs.pop(0)
+            parts.pop(1)
+            lease_id = self.leases.grant(functools.partial(self._lease_ended, extent))
+            release(free_extent=False)  # the lease owns the range from here
+            self.metrics.leases.labels("granted").inc()
         metadata = {
             "format": FORMAT,
             "model": f.served_model_name,
@@ -182,11 +194,29 @@ class HiddenStatesService:
             "caller_id": req.id or "",
             "chat_template_sha256": (self.tokenizer.template_sha256 or "") if req.messages and not req.chat_template else "",
         }
+        if lease_id is not None:
+            metadata["lease"] = json.dumps({
+                "id": lease_id, "arena_id": self.extractor.arena.arena_id, "offset": extent.offset,
+                "nbytes": extent.nbytes, "dtype": states.dtype, "shape": list(states.shape),
+                "expires_in": self.settings.lease_timeout,
+            })
         parts[0] = encode_header(specs, metadata)
         stats = Stats()
 
         def on_close() -> None:
             # Idempotent: the stream's own end and the response's end both call it.
+            nonlocal lease_id
+            if lease_id is not None:
+                if not stats.complete:  # the client never got the lease: take the range back
+                    self.leases.release(lease_id)
+                    self.metrics.leases.labels("unsent").inc()
+                lease_id = None
+                self.metrics.sent(extent.nbytes, stats.wire)
+                self.metrics.tokens.inc(n)
+                self.metrics.requests.labels("ok" if stats.complete else "aborted").inc()
+                self.metrics.latency.observe(time.perf_counter() - started)
+                self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
+                return
             if released:
                 return
             release()
@@ -197,8 +227,12 @@ class HiddenStatesService:
             self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
 
         body = Body(parts, on_close)
-        headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n)}
-        if zstd:
+        headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n), "Content-Type": MEDIA_TYPE}
+        if lease_id is not None:  # a few KB: never worth compressing
+            headers["Content-Type"] = LEASE_MEDIA_TYPE
+            headers["Content-Length"] = str(body.nbytes)
+            stream = stream_identity(body, stats)
+        elif zstd:
             headers["Content-Encoding"] = "zstd"
             stream = stream_zstd(body, stats, self.settings.zstd_level, None)
         else:
@@ -206,9 +240,18 @@ class HiddenStatesService:
             stream = stream_identity(body, stats)
         return headers, stream, on_close
 
+    def _lease_ended(self, extent, expired: bool) -> None:
+        self.extractor.free(extent)
+        self.metrics.leases.labels("expired" if expired else "released").inc()
+        self._gauges()
+
+    def release_lease(self, lease_id: str) -> bool:
+        return self.leases is not None and self.leases.release(lease_id)
+
     def _gauges(self) -> None:
         self.metrics.inflight.set(self.inflight)
         self.metrics.queued_tokens.set(self.queued_tokens)
         self.metrics.engine_running.set(self.extractor.engine_running)
+        self.metrics.leases_live.set(len(self.leases) if self.leases is not None else 0)
         if self.extractor.allocator is not None:
             self.metrics.arena_used.set(self.extractor.allocator.used)

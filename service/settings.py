@@ -52,6 +52,13 @@ class ServiceSettings(BaseSettings):
         4 * GiB, ge=MiB, description="Shared-memory arena for states not yet sent (bounds unsent bytes)"
     )
     shm_dir: str = Field("/dev/shm", description="Directory of the shared-memory arena (a tmpfs)")
+    shm_lease: bool = Field(
+        True,
+        description="Let same-host clients read the states from the arena (a lease) instead of an HTTP body",
+    )
+    lease_timeout: float = Field(
+        120.0, gt=0, description="Seconds a same-host client may hold a lease before its range is reused"
+    )
     shutdown_timeout: float = Field(30.0, ge=0, description="Seconds in-flight requests get after SIGTERM")
     request_timeout: float = Field(600.0, gt=0, description="Seconds one request may take in the engine")
     chat_template: str | None = Field(None, description="Jinja chat template file (default: the tokenizer's)")

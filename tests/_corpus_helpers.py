@@ -48,7 +48,8 @@ def store_files(out_dir: Path, files: dict[str, bytes]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".part")
         with open(tmp, "wb") as f:
-            f.write(data)
+            for part in data if isinstance(data, (list, tuple)) else [data]:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hsx_client import formats as fmt_mod
+from hsx_client import store
 from hsx_client.formats import (
     CorpusContext,
     CorpusFormatError,
@@ -141,7 +142,7 @@ def test_no_mask_means_all_supervised_and_bytes_estimate(tmp_path):
         f = get_format(name)
         so = f.encode_sample(3, make_decoded(2, 400, mask=None), ctx)
         assert so.record["num_supervised"] == 400 and so.record["mask_source"] == "none"
-        size = sum(len(b) for b in so.files.values())
+        size = sum(store.file_size(b) for b in so.files.values())
         est = f.bytes_per_token(ctx) * 400
         assert 0.7 * est < size < 1.3 * est, (name, size, est)
 

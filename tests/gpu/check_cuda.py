@@ -46,6 +46,33 @@ async def fetch_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
         return await asyncio.gather(*[c.post(url + "/hidden_states", json=b) for b in bodies])
 
 
+async def fetch_leased(url: str, bodies: list[dict]) -> list[tuple[bool, list[int], torch.Tensor, list[int]]]:
+    """Through the client's same-host path: states read from the server's arena, then released."""
+    from hsx_client.api import HsxClient
+
+    async with HsxClient([url], concurrency_per_server=16) as c:
+        async def one(b: dict):
+            raw = await c.hidden_states_response(b, lease_ok=True)
+            d = raw.decode()
+            hs = d.hidden_states.clone()
+            if raw.lease is not None:
+                await c.release_lease(raw.lease)  # raises if the range was reused meanwhile
+            return raw.lease is not None, d.token_ids.tolist(), hs, d.layer_ids
+
+        return await asyncio.gather(*[one(b) for b in bodies])
+
+
+def check_leased(model_dir: str, got, bodies, tol: float, name: str) -> None:
+    errs, bad = [], 0
+    for b, (leased, ids, hs, layer_ids) in zip(bodies, got):
+        if not leased or ids != b["input_ids"]:
+            bad += 1
+            continue
+        ref = reference_states(model_dir, ids, layer_ids)
+        errs.append(max(per_layer_rel_err(hs, ref.cpu())))
+    report(name, errs + ([float("inf")] if bad else []), tol, f"({len(bodies)} requests, {bad} bad or not leased)")
+
+
 def check(model_dir: str, rs, bodies, tol: float, name: str) -> None:
     errs, bad = [], 0
     for b, r in zip(bodies, rs):
@@ -84,6 +111,8 @@ def random_model_checks(work: Path, log_dir: Path) -> None:
         print(f"  48 concurrent mixed-length requests in {time.time() - t1:.1f}s", flush=True)
         check(str(model), rs, mixed, BF16_TOL, "random-llama bf16: 48 concurrent mixed lengths (3..3000 tokens, "
               "chunked prefill above 1024)")
+        got = asyncio.run(fetch_leased(srv.url, mixed))
+        check_leased(str(model), got, mixed, BF16_TOL, "random-llama bf16: the same 48 through same-host leases")
         prefix = [1] + [rng.randrange(6, 32000) for _ in range(600)]
         shared = [{"input_ids": prefix + [rng.randrange(6, 32000) for _ in range(rng.randrange(1, 300))]}
                   for _ in range(32)] + [{"input_ids": prefix}]

@@ -1,0 +1,100 @@
+"""Same-host transfer, client side: map a server's arena read-only (see service/lease.py).
+
+`attach(offer)` takes /info's `shm_lease` block, checks that the server runs on this
+host (same kernel boot id), asks the server's abstract Unix socket for the arena's
+descriptor (sending the API key, if any) and maps it read-only. Any failure raises
+`ShmUnavailable` with the reason; the client then keeps using HTTP bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+from typing import Any
+
+_TIMEOUT = 5.0
+
+
+class ShmUnavailable(Exception):
+    """This client cannot read that server's arena (another host, namespace, user or key)."""
+
+
+def local_boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+class ArenaMap:
+    """A read-only mapping of one server's arena."""
+
+    def __init__(self, arena_id: str, mm: mmap.mmap):
+        self.arena_id = arena_id
+        self._mm = mm
+        self._view = memoryview(mm)
+
+    @property
+    def size(self) -> int:
+        return len(self._mm)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        if offset < 0 or nbytes < 0 or offset + nbytes > len(self._mm):
+            raise ValueError(f"range {offset}+{nbytes} lies outside the {len(self._mm)}-byte arena")
+        return self._view[offset : offset + nbytes]
+
+    def close(self) -> None:
+        try:
+            self._view.release()
+            self._mm.close()
+        except BufferError:  # a sample still holds a view; the mapping goes with the process
+            pass
+
+
+def attach(offer: dict[str, Any] | None, api_key: str | None) -> ArenaMap:
+    """Blocking (a few ms): run it in a thread."""
+    if not offer:
+        raise ShmUnavailable("the server does not offer leases (--shm-lease false)")
+    if not hasattr(socket, "recv_fds") or not hasattr(socket, "AF_UNIX"):
+        raise ShmUnavailable("this platform cannot receive file descriptors")
+    if offer.get("boot_id") != local_boot_id():
+        raise ShmUnavailable("the server runs on another host")
+    address = str(offer.get("socket", ""))
+    if not address.startswith("@"):
+        raise ShmUnavailable(f"unexpected socket address {address!r}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(_TIMEOUT)
+    try:
+        try:
+            sock.connect("\0" + address[1:])
+        except OSError as exc:  # another network namespace (container) or a stopped server
+            raise ShmUnavailable(f"cannot reach {address}: {exc}") from exc
+        sock.sendall((api_key or "").encode() + b"\n")
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 1)
+    except OSError as exc:
+        raise ShmUnavailable(f"handshake with {address} failed: {exc}") from exc
+    finally:
+        sock.close()
+    if not fds:
+        try:
+            reason = json.loads(msg).get("error", msg.decode(errors="replace"))
+        except ValueError:
+            reason = msg.decode(errors="replace") or "no descriptor"
+        raise ShmUnavailable(f"the server refused: {reason}")
+    fd = fds[0]
+    try:
+        hello = json.loads(msg)
+        if hello.get("arena_id") != offer.get("arena_id"):
+            raise ShmUnavailable("the arena changed since /info (server restarted?)")
+        size = int(hello["size"])
+        if os.fstat(fd).st_size < size:
+            raise ShmUnavailable("the arena descriptor is smaller than announced")
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ShmUnavailable(f"bad handshake: {exc}") from exc
+    finally:
+        os.close(fd)
+    return ArenaMap(hello["arena_id"], mm)
