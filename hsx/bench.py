@@ -789,7 +789,8 @@ def soak(url: str, sampler: TreeSampler, ctx: dict[str, Any], args: argparse.Nam
     n = args.rss_soak * ctx["prompts"]
     marks = {max(1, int(n * f)): f for f in (0.1, 0.5, 1.0)}
     points: dict[str, Any] = {"before": sampler.sample()}
-    log(f"(c) RSS soak: {n} more requests")
+    lease = args.transfers[0] == "auto"  # the headline path; leases are released unread
+    log(f"(c) RSS soak: {n} more requests ({'same-host leases' if lease else 'HTTP bodies'})")
     t = time.monotonic()
     seed = ctx["seed"] + 1000
     batch = max(ctx["prompts"], 1)
@@ -806,10 +807,11 @@ def soak(url: str, sampler: TreeSampler, ctx: dict[str, Any], args: argparse.Nam
                 log(f"(c) soak {int(f * 100)}%: server tree RSS {fmt_bytes(m['rss'])}, PSS {fmt_bytes(m['pss'])}, "
                     f"API process {fmt_bytes(m['root_rss'])}")
 
-        asyncio.run(_fire(url, ps, args.concurrency, on_done))
+        asyncio.run(_fire(url, ps, args.concurrency, on_done, lease=lease))
         done += k
     s = time.monotonic() - t
-    return {"requests": n, "seconds": s, "tokens_per_s": n * ctx["prompt_len"] / s, "points": points}
+    return {"requests": n, "seconds": s, "tokens_per_s": n * ctx["prompt_len"] / s, "points": points,
+            "transfer": "lease" if lease else "http"}
 
 
 # ------------------------------------------------------------------ the report
@@ -875,6 +877,12 @@ def format_table(result: dict[str, Any]) -> str:
             ratio = so["tokens_per_s"] / modes["a"]["tokens_per_s"] if "a" in modes else None
             lines.append(f"(c) profile: server + leases alone (released unread) {so['tokens_per_s']:,.0f} tokens/s"
                          + (f" = {ratio:.3f} of (a)" if ratio else ""))
+        if c.get("soak"):
+            sk = c["soak"]
+            pts = ", ".join(f"{k} {fmt_bytes(v['rss'])} (API {fmt_bytes(v['root_rss'])})"
+                            for k, v in sk["points"].items())
+            lines.append(f"(c) RSS soak, {sk['requests']} more requests ({sk.get('transfer', 'http')}, "
+                         f"{sk['tokens_per_s']:,.0f} tokens/s): server tree {pts}")
         cm, em = c.get("client_memory") or {}, c.get("engine_memory") or {}
         lines.append(f"(c) server: API process peak RSS {fmt_bytes(em.get('root_peak_rss'))}, whole tree "
                      f"{fmt_bytes(em.get('peak_rss_sum'))} RSS / {fmt_bytes(em.get('peak_pss_sum'))} PSS; "
