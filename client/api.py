@@ -530,8 +530,10 @@ class HsxClient:
                 try:
                     offer = (await self._get_json(server, "/info", rid)).get("shm_lease")
                     server.arena = await asyncio.to_thread(shm.attach, offer, self.api_key)
-                except (shm.ShmUnavailable, HsxError) as exc:
+                except shm.ShmUnavailable as exc:  # for good: this server's states come as bodies
                     server.arena_note = str(exc)
+                except HsxError:  # /info failed this time (loading?): bodies now, try again later
+                    pass
         return server.arena
 
     async def _post_hidden_states(

@@ -72,6 +72,7 @@ from .errors import (
 from .progress import Progress, format_summary
 
 log = logging.getLogger("hsx.extract")
+_LEASE_REDOS = 3  # a sample whose lease expired this often before its store ended fails
 
 PLAN_VERSION = 1
 # Written by a format's finalize when it renumbers samples (speculators compacts failed
@@ -264,6 +265,7 @@ class Extractor:
         self._phase: dict[asyncio.Task[Any], str] = {}
         self._sigints = 0
         self._consecutive_5xx = 0
+        self._lease_redos: dict[int, int] = {}
 
     # -------------------------------------------------------------- control
     def request_stop(self, reason: str) -> None:
@@ -449,7 +451,7 @@ class Extractor:
                         redo += 1
                 failed = {i: e for i, e in load_failed(out).items() if i not in done and i < n}
                 for i, e in list(failed.items()):
-                    if not compacted and (cfg.retry_failed or e.get("kind") == "server_error"):
+                    if not compacted and (cfg.retry_failed or e.get("kind") in ("server_error", "lease_expired")):
                         del failed[i]
                 todo = [i for i in range(n) if i not in done and i not in failed]
 
@@ -683,9 +685,15 @@ class Extractor:
                         try:
                             await client.release_lease(lease)
                         except LeaseExpiredError as exc:
+                            self._phase[task] = "idle"
+                            redos = self._lease_redos[idx] = self._lease_redos.get(idx, 0) + 1
+                            if redos >= _LEASE_REDOS:  # the store keeps outlasting the lease
+                                exc.message += (f" ({redos} times: raise the server's --lease-timeout, "
+                                                "or use --transfer http)")
+                                self._fail(failed_log, failed, progress, idx, key, "lease_expired", exc)
+                                continue
                             log.warning("sample %d: %s; requesting it again", idx, exc)
                             queue.append(idx)
-                            self._phase[task] = "idle"
                             continue
                         await loop.run_in_executor(pool, manifest.append, entry)
                 except SampleEncodeError as exc:

@@ -372,7 +372,11 @@ async def _start_engine(st: ServerState) -> None:
         await st.extractor.self_test()
         if st.service.leases is not None:
             arena = st.extractor.arena
-            st.arena_socket = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, st.settings.api_key).start()
+            try:
+                st.arena_socket = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, st.settings.api_key).start()
+            except OSError as exc:  # e.g. no abstract sockets here: serve HTTP bodies only
+                log.warning("same-host leases off: cannot open the arena socket: %s", exc)
+                st.service.leases = None
         st.loading = False
         log.info("ready: %s, layers %s", f.served_model_name, f.layer_ids)
     except asyncio.CancelledError:

@@ -224,6 +224,31 @@ def test_a_sample_whose_lease_expired_is_redone(leasing, tmp_path, caplog):
             assert f.get_tensor("token_ids").tolist() == p
 
 
+def test_a_store_that_always_outlasts_its_lease_fails_that_sample_with_the_fix(leasing, tmp_path):
+    from hsx_client import extract as hx
+    from hsx_client import formats
+
+    class AlwaysSlowOnZero(formats.SpeculatorsFormat):
+        def encode_sample(self, index, decoded, ctx):
+            if index == 0:
+                time.sleep(2.0)  # > --lease-timeout 1.5
+            return super().encode_sample(index, decoded, ctx)
+
+    prompts = _prompts(3, seed=4, lo=5, hi=60)
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+    hooks = hx.default_hooks()
+    hooks.get_format = lambda name: AlwaysSlowOnZero()
+    out = tmp_path / "corpus"
+    cfg = hx.ExtractConfig(servers=[leasing.url], output=out, inputs=[str(inputs)], format="speculators",
+                           api_key=KEY, concurrency_per_server=2, quiet=True, shuffle=False)
+    result = hx.run_extract(cfg, hooks)
+    assert result.summary["done"] == 2 and result.summary["failed"] == 1, result.summary
+    failed = [json.loads(x) for x in (out / "failed.jsonl").read_text().splitlines()]
+    assert [(f["index"], f["kind"]) for f in failed] == [(0, "lease_expired")]
+    assert "3 times" in failed[0]["message"] and "--lease-timeout" in failed[0]["message"]
+
+
 async def test_sigterm_waits_for_a_held_lease(leasing):
     """Last in this module: it stops the server."""
     async with HsxClient(leasing.url, api_key=KEY) as client:
