@@ -203,6 +203,13 @@ class HiddenStatesService:
         parts[0] = encode_header(specs, metadata)
         stats = Stats()
 
+        def finished(raw_bytes: int) -> None:
+            self.metrics.sent(raw_bytes, stats.wire)
+            self.metrics.tokens.inc(n)
+            self.metrics.requests.labels("ok" if stats.complete else "aborted").inc()
+            self.metrics.latency.observe(time.perf_counter() - started)
+            self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
+
         def on_close() -> None:
             # Idempotent: the stream's own end and the response's end both call it.
             nonlocal lease_id
@@ -211,20 +218,10 @@ class HiddenStatesService:
                     self.leases.release(lease_id)
                     self.metrics.leases.labels("unsent").inc()
                 lease_id = None
-                self.metrics.sent(extent.nbytes, stats.wire)
-                self.metrics.tokens.inc(n)
-                self.metrics.requests.labels("ok" if stats.complete else "aborted").inc()
-                self.metrics.latency.observe(time.perf_counter() - started)
-                self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
-                return
-            if released:
-                return
-            release()
-            self.metrics.sent(stats.raw, stats.wire)
-            self.metrics.tokens.inc(n)
-            self.metrics.requests.labels("ok" if stats.complete else "aborted").inc()
-            self.metrics.latency.observe(time.perf_counter() - started)
-            self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
+                finished(extent.nbytes)
+            elif not released:
+                release()
+                finished(stats.raw)
 
         body = Body(parts, on_close)
         headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n), "Content-Type": MEDIA_TYPE}
