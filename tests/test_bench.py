@@ -28,7 +28,7 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "hsx.cli", "bench", "--quick",
         "--prompts", str(prompts), "--prompt-len", str(length), "--concurrency", "4", "--warmup", "2",
-        "--workdir", str(tmp_path / "work"), "--out", str(out),
+        "--workdir", str(tmp_path / "work"), "--out", str(out), "--transfer", "auto,http", "--rss-soak", "1",
     ]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
@@ -51,9 +51,16 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
     b, c = r["modes"]["b"], r["modes"]["c"]
     assert b["requests"] == prompts and b["file_bytes"] > b["hs_bytes"]
     assert 0 < b["engine_tokens_per_s"]
-    # (c): every sample came over the wire, zstd-coded, and the corpus opens
-    assert c["requests"] == prompts
-    assert 0 < c["wire_bytes"] < c["body_bytes"] and c["body_bytes"] > c["hs_bytes"]
+    # (c): every sample stored and the corpus opens; the headline through same-host leases
+    # (a few KB on the wire per request), then HTTP bodies zstd-coded, on the same server
+    assert c["requests"] == prompts and c["transfer"] == "auto"
+    assert 0 < c["wire_bytes"] < 0.2 * c["hs_bytes"] and c["body_bytes"] > c["hs_bytes"]
+    http = c["by_transfer"]["http"]
+    assert http["requests"] == prompts and 0.3 * http["hs_bytes"] < http["wire_bytes"] < http["body_bytes"]
+    assert http["corpus"]["ok"] and http["tokens_per_s"] > 0
+    assert c["server_lease_only"]["leased"] == prompts and c["server_http_only"]["tokens_per_s"] > 0
+    assert c["soak"]["requests"] == prompts and c["soak"]["transfer"] == "lease"
+    assert set(c["soak"]["points"]) == {"before", "10%", "50%", "100%"}
     assert c["finalize_s"] is not None and c["client_memory"]["peak_rss"] > 0
     assert c["corpus"]["ok"] and c["corpus"]["rows"] == prompts and c["corpus"]["files"] == prompts
     assert c["corpus"]["disk_bytes"] >= c["hs_bytes"]
