@@ -14,19 +14,13 @@ import os
 import socket
 from typing import Any
 
+from hsx.wire import boot_id
+
 _TIMEOUT = 5.0
 
 
 class ShmUnavailable(Exception):
     """This client cannot read that server's arena (another host, namespace, user or key)."""
-
-
-def local_boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
 
 
 class ArenaMap:
@@ -60,7 +54,7 @@ def attach(offer: dict[str, Any] | None, api_key: str | None) -> ArenaMap:
         raise ShmUnavailable("the server does not offer leases (--shm-lease false)")
     if not hasattr(socket, "recv_fds") or not hasattr(socket, "AF_UNIX"):
         raise ShmUnavailable("this platform cannot receive file descriptors")
-    if offer.get("boot_id") != local_boot_id():
+    if offer.get("boot_id") != boot_id():
         raise ShmUnavailable("the server runs on another host")
     address = str(offer.get("socket", ""))
     if not address.startswith("@"):

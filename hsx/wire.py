@@ -27,6 +27,16 @@ MEDIA_TYPE = "application/x-safetensors"
 # {"id", "arena_id", "offset", "nbytes", "dtype", "shape", "expires_in"}.
 LEASE_MEDIA_TYPE = "application/vnd.hsx.lease+safetensors"
 
+
+def boot_id() -> str:
+    """The running kernel's boot id: equal in every process and container of one host.
+    /info's `shm_lease` offer carries the server's; a client with another is elsewhere."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
 # safetensors dtype names <-> torch dtype names (the ones a served model can have).
 ST_DTYPES = {
     "bfloat16": "BF16",

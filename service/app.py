@@ -8,7 +8,6 @@ the lifespan starts vLLM in the background), so the port answers at once:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -28,7 +27,8 @@ from hsx_service.errors import (
     error_body,
     install_error_handlers,
 )
-from hsx_service.lease import ArenaSocket, boot_id
+from hsx_service.auth import key_matches
+from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import Metrics
 from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus
 from hsx_service.response import accepts_zstd
@@ -97,12 +97,7 @@ class GuardMiddleware:
         if self.keys and any(path == p or (p.endswith("/") and path.startswith(p)) for p in GUARDED_PATHS):
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
-            given = token.strip().encode()
-            # Compare against every key (no early exit) in constant time per key.
-            ok = False
-            for key in self.keys:
-                ok |= hmac.compare_digest(given, key)
-            if scheme.lower() != "bearer" or not ok:
+            if scheme.lower() != "bearer" or not key_matches(token.strip().encode(), self.keys):
                 return await reply(401, "unauthorized", "missing or invalid API key (Authorization: Bearer KEY)",
                                    {"WWW-Authenticate": "Bearer"})
         if path == "/hidden_states" and scope["method"] == "POST":
@@ -236,7 +231,7 @@ def create_app(st: ServerState) -> FastAPI:
             "shm_lease": None if s.arena_socket is None else {
                 "socket": s.arena_socket.address,
                 "arena_id": s.extractor.arena.arena_id,
-                "boot_id": boot_id(),
+                "boot_id": s.arena_socket.boot_id,
                 "lease_timeout": s.settings.lease_timeout,
             },
         }

@@ -25,7 +25,6 @@ same user or root, and answers with the arena's id and a read-only descriptor of
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -36,7 +35,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hsx.wire import LEASE_MEDIA_TYPE  # noqa: F401  (re-exported for the app)
+from hsx.wire import boot_id
+from hsx_service.auth import key_matches
 
 log = logging.getLogger("hsx.lease")
 
@@ -44,18 +44,9 @@ _HANDSHAKE_TIMEOUT = 5.0
 _MAX_LINE = 4096
 
 
-def boot_id() -> str:
-    """The running kernel's boot id: equal in every process and container of one host."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
-
-
 @dataclass
 class _Lease:
-    on_end: Callable[[bool], None]  # called once with expired=True/False
+    on_end: Callable[[str], None]  # called once with the outcome: released, expired or unsent
     timer: asyncio.TimerHandle
 
 
@@ -69,29 +60,28 @@ class Leases:
     def __len__(self) -> int:
         return len(self._live)
 
-    def grant(self, on_end: Callable[[bool], None]) -> str:
+    def grant(self, on_end: Callable[[str], None]) -> str:
         lease_id = secrets.token_hex(16)
-        timer = asyncio.get_running_loop().call_later(self.timeout, self._end, lease_id, True)
+        timer = asyncio.get_running_loop().call_later(self.timeout, self.release, lease_id, "expired")
         self._live[lease_id] = _Lease(on_end, timer)
         return lease_id
 
-    def release(self, lease_id: str) -> bool:
-        """True when the lease was live (the client's read was valid)."""
-        return self._end(lease_id, False)
-
-    def _end(self, lease_id: str, expired: bool) -> bool:
+    def release(self, lease_id: str, outcome: str = "released") -> bool:
+        """End a lease; True when it was live (for a client's release: its read was valid).
+        `outcome` is what ended it: released (by the client), expired, or unsent (the
+        response carrying it never left)."""
         lease = self._live.pop(lease_id, None)
         if lease is None:
             return False
         lease.timer.cancel()
-        if expired:
+        if outcome == "expired":
             log.warning("lease %s expired after %.0fs without a release; its range is reused", lease_id[:8], self.timeout)
-        lease.on_end(expired)
+        lease.on_end(outcome)
         return True
 
     def end_all(self) -> None:
         for lease_id in list(self._live):
-            self._end(lease_id, True)
+            self.release(lease_id, "expired")
 
 
 class ArenaSocket:
@@ -99,6 +89,7 @@ class ArenaSocket:
 
     def __init__(self, arena_fd: int, arena_id: str, arena_size: int, api_keys: list[str]):
         self.name = f"hsx-lease-{arena_id}"
+        self.boot_id = boot_id()  # of this host, for /info's offer
         self._fd = arena_fd
         self._hello = json.dumps({"arena_id": arena_id, "size": arena_size}).encode()
         self._keys = [k.encode() for k in api_keys]
@@ -138,10 +129,7 @@ class ArenaSocket:
 
     def _allowed(self, conn: socket.socket, key: bytes) -> bool:
         if self._keys:
-            ok = False
-            for k in self._keys:
-                ok |= hmac.compare_digest(key, k)
-            return ok
+            return key_matches(key, self._keys)
         _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         return uid in (os.getuid(), 0)
 

@@ -215,8 +215,7 @@ class HiddenStatesService:
             nonlocal lease_id
             if lease_id is not None:
                 if not stats.complete:  # the client never got the lease: take the range back
-                    self.leases.release(lease_id)
-                    self.metrics.leases.labels("unsent").inc()
+                    self.leases.release(lease_id, "unsent")
                 lease_id = None
                 finished(extent.nbytes)
             elif not released:
@@ -237,9 +236,9 @@ class HiddenStatesService:
             stream = stream_identity(body, stats)
         return headers, stream, on_close
 
-    def _lease_ended(self, extent, expired: bool) -> None:
+    def _lease_ended(self, extent, outcome: str) -> None:
         self.extractor.free(extent)
-        self.metrics.leases.labels("expired" if expired else "released").inc()
+        self.metrics.leases.labels(outcome).inc()
         self._gauges()
 
     def release_lease(self, lease_id: str) -> bool:

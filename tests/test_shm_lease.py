@@ -37,15 +37,15 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # ------------------------------------------------------------------------------ units
 
 async def test_leases_release_once_and_expire():
-    ended: list[tuple[str, bool]] = []
+    ended: list[tuple[str, str]] = []
     leases = Leases(timeout=0.2)
-    a = leases.grant(lambda expired: ended.append(("a", expired)))
-    b = leases.grant(lambda expired: ended.append(("b", expired)))
+    a = leases.grant(lambda outcome: ended.append(("a", outcome)))
+    b = leases.grant(lambda outcome: ended.append(("b", outcome)))
     assert a != b and len(a) == 32 and len(leases) == 2
     assert leases.release(a) is True
     assert leases.release(a) is False  # a second release: the range may be someone else's now
     await asyncio.sleep(0.4)
-    assert ended == [("a", False), ("b", True)]
+    assert ended == [("a", "released"), ("b", "expired")]
     assert leases.release(b) is False and len(leases) == 0
 
 
@@ -186,6 +186,19 @@ async def test_expired_lease_answers_410_and_its_range_comes_back(leasing):
     assert httpx.delete(leasing.url + "/leases/x").status_code == 401  # releases need the key too
 
 
+def _extract_with(server, fmt, prompts: list[list[int]], tmp_path: Path):
+    """`hsx extract`'s run loop, in input order into tmp_path/corpus, with `fmt` as the writer."""
+    from hsx_client import extract as hx
+
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+    hooks = hx.default_hooks()
+    hooks.get_format = lambda name: fmt
+    cfg = hx.ExtractConfig(servers=[server.url], output=tmp_path / "corpus", inputs=[str(inputs)],
+                           format="speculators", api_key=KEY, concurrency_per_server=2, quiet=True, shuffle=False)
+    return hx.run_extract(cfg, hooks)
+
+
 def test_a_sample_whose_lease_expired_is_redone(leasing, tmp_path, caplog):
     """The first store outlives the lease (slow disk): the release answers 410, the
     client asks again, and the corpus ends complete and correct."""
@@ -202,15 +215,9 @@ def test_a_sample_whose_lease_expired_is_redone(leasing, tmp_path, caplog):
             return super().encode_sample(index, decoded, ctx)
 
     prompts = _prompts(6, seed=3, lo=5, hi=120)
-    inputs = tmp_path / "in.jsonl"
-    inputs.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
-    hooks = hx.default_hooks()
-    hooks.get_format = lambda name: SlowFirst()
     out = tmp_path / "corpus"
-    cfg = hx.ExtractConfig(servers=[leasing.url], output=out, inputs=[str(inputs)], format="speculators",
-                           api_key=KEY, concurrency_per_server=2, quiet=True, shuffle=False)
     with caplog.at_level("WARNING", logger="hsx.extract"):
-        result = hx.run_extract(cfg, hooks)
+        result = _extract_with(leasing, SlowFirst(), prompts, tmp_path)
     assert result.exit_code == 0, result.summary
     assert any("lease expired" in r.getMessage() for r in caplog.records)
     lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
@@ -225,7 +232,6 @@ def test_a_sample_whose_lease_expired_is_redone(leasing, tmp_path, caplog):
 
 
 def test_a_store_that_always_outlasts_its_lease_fails_that_sample_with_the_fix(leasing, tmp_path):
-    from hsx_client import extract as hx
     from hsx_client import formats
 
     class AlwaysSlowOnZero(formats.SpeculatorsFormat):
@@ -234,15 +240,8 @@ def test_a_store_that_always_outlasts_its_lease_fails_that_sample_with_the_fix(l
                 time.sleep(2.0)  # > --lease-timeout 1.5
             return super().encode_sample(index, decoded, ctx)
 
-    prompts = _prompts(3, seed=4, lo=5, hi=60)
-    inputs = tmp_path / "in.jsonl"
-    inputs.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
-    hooks = hx.default_hooks()
-    hooks.get_format = lambda name: AlwaysSlowOnZero()
     out = tmp_path / "corpus"
-    cfg = hx.ExtractConfig(servers=[leasing.url], output=out, inputs=[str(inputs)], format="speculators",
-                           api_key=KEY, concurrency_per_server=2, quiet=True, shuffle=False)
-    result = hx.run_extract(cfg, hooks)
+    result = _extract_with(leasing, AlwaysSlowOnZero(), _prompts(3, seed=4, lo=5, hi=60), tmp_path)
     assert result.summary["done"] == 2 and result.summary["failed"] == 1, result.summary
     failed = [json.loads(x) for x in (out / "failed.jsonl").read_text().splitlines()]
     assert [(f["index"], f["kind"]) for f in failed] == [(0, "lease_expired")]
