@@ -334,13 +334,22 @@ class Extractor:
             },
         )
         self.engine_running += 1
+        # The prefill runs in its own task, never cancelled while vLLM submits it:
+        # AsyncLLM.generate cancelled inside its add_request neither aborts the request
+        # nor tells the scheduler, so no notice would ever free the range (a client that
+        # hung up at that moment held it until request_timeout). On a hang-up or timeout
+        # the request is aborted by id instead, and the task is dropped once the notice
+        # says the worker is done with the range.
+        prefill = asyncio.get_running_loop().create_task(self._prefill(token_ids, params, request_id, notice))
+        prefill.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are raised below
         try:
-            msg = await asyncio.wait_for(self._prefill(token_ids, params, request_id, notice), self.settings.request_timeout)
+            msg = await asyncio.wait_for(asyncio.shield(prefill), self.settings.request_timeout)
         except BaseException as exc:
+            await self._abort(request_id, prefill)
             # The engine may still write this range: free it only on the connector's notice
             # (every request the scheduler saw gets one; one vLLM refused before scheduling
             # is held until request_timeout, which hsx's own input checks make rare).
-            asyncio.get_running_loop().create_task(self._release_on_notice(notice, extent, key))
+            asyncio.get_running_loop().create_task(self._release_on_notice(notice, extent, key, prefill))
             if isinstance(exc, ValueError):  # vLLM's own input checks
                 raise BadInput(f"vLLM refused the input: {exc}") from exc
             if isinstance(exc, asyncio.TimeoutError):
@@ -355,6 +364,18 @@ class Extractor:
             raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
         return msg["timing"]
 
+    async def _abort(self, request_id: str, prefill: asyncio.Task) -> None:
+        """Abort a request that may not have reached the engine yet. Aborting one still
+        being submitted is a no-op: it then runs to completion and its notice frees the range."""
+        if prefill.done():
+            return
+        try:
+            await asyncio.shield(self.engine.abort(request_id))
+        except asyncio.CancelledError:
+            pass  # a second cancel while aborting: the shielded abort still goes through
+        except Exception:  # the engine died: fail_all notices release the range
+            log.debug("abort of %s failed", request_id, exc_info=True)
+
     async def _prefill(self, token_ids: list[int], params: Any, request_id: str, notice: asyncio.Future) -> dict:
         from vllm.inputs import TokensPrompt
 
@@ -367,9 +388,10 @@ class Extractor:
         msg["timing"] = {"engine": t1 - t0, "copy": time.perf_counter() - t1}
         return msg
 
-    async def _release_on_notice(self, notice: asyncio.Future, extent: Extent, key: str) -> None:
+    async def _release_on_notice(self, notice: asyncio.Future, extent: Extent, key: str, prefill: asyncio.Task) -> None:
         try:
             await asyncio.wait_for(notice, self.settings.request_timeout)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             log.warning("no notice for aborted request %s; freeing its arena range after timeout", key)
         self.free(extent)
+        prefill.cancel()  # the request is in the engine or was never sent: nothing left to abort

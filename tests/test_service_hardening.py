@@ -163,14 +163,21 @@ async def test_flood_gets_503_not_5xx_and_memory_stays_bounded(guarded, tiny_mod
 # ---------------------------------------------------------------------- cancellation
 
 async def test_client_disconnect_aborts_engine_request(guarded):
-    # Distinct prompts (no prefix-cache hits) prefilled 32 tokens per engine step take
-    # well over the 0.1 s these clients wait before hanging up.
+    # Four distinct prompts (no prefix-cache hits) of 591 tokens, prefilled 32 tokens per
+    # engine step: ~75 steps. The clients hang up as soon as the server reports a request in
+    # the engine, not after a fixed wait: a fast machine can finish all four in 0.1 s.
     rng = random.Random(7)
     bodies = [{"input_ids": [1] + [rng.randrange(6, 1000) for _ in range(590)]} for _ in range(4)]
-    async with httpx.AsyncClient(timeout=0.1, headers=AUTH) as client:
-        rs = await asyncio.gather(*[client.post(guarded.url + "/hidden_states", json=b) for b in bodies],
-                                  return_exceptions=True)
-    assert any(isinstance(r, httpx.TimeoutException) for r in rs)
+    async with httpx.AsyncClient(timeout=120, headers=AUTH) as client, httpx.AsyncClient() as probe:
+        calls = [asyncio.ensure_future(client.post(guarded.url + "/hidden_states", json=b)) for b in bodies]
+        deadline = time.monotonic() + 30
+        while "\nhsx_engine_requests 0.0" in (await probe.get(guarded.url + "/metrics")).text:
+            assert time.monotonic() < deadline, "no request reached the engine in 30 s"
+        for call in calls:
+            call.cancel()  # closes that connection mid-request
+        rs = await asyncio.gather(*calls, return_exceptions=True)
+    hung_up = [r for r in rs if isinstance(r, asyncio.CancelledError)]
+    assert hung_up, f"every request finished before the clients hung up: {rs}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if (metric(guarded, "hsx_engine_requests") == 0 and metric(guarded, "hsx_inflight_requests") == 0
