@@ -203,10 +203,14 @@ async def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(tiny_model, l
         async with httpx.AsyncClient(timeout=120) as client:
             inflight = [asyncio.ensure_future(client.post(server.url + "/hidden_states", json={"input_ids": p}))
                         for p in prompts]
-            await asyncio.sleep(0.5)  # admitted; 12 x 900 tokens at 16 tokens per engine step take seconds
+            # All admitted (12 x 900 tokens at 16 tokens per engine step: hundreds of steps) ...
+            deadline = time.monotonic() + 30
+            while "\nhsx_inflight_requests 12.0" not in (await client.get(server.url + "/metrics")).text:
+                assert time.monotonic() < deadline, "the 12 requests were not admitted in 30 s"
             server.signal(signal.SIGTERM)
-            await asyncio.sleep(0.2)
-            ready = await client.get(server.url + "/ready")
+            # ... then the drain starts as soon as the signal is handled.
+            while (ready := await client.get(server.url + "/ready")).status_code == 200:
+                assert time.monotonic() < deadline + 10, "SIGTERM did not start the drain"
             new = await client.post(server.url + "/hidden_states", json={"input_ids": [1, 2, 3]})
             done = await asyncio.gather(*inflight)
         assert ready.status_code == 503 and ready.json()["status"] == "draining"

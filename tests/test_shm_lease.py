@@ -254,8 +254,11 @@ async def test_sigterm_waits_for_a_held_lease(leasing):
         r = await client.hidden_states_response({"input_ids": [1, 12, 13]}, lease_ok=True)
         assert r.lease is not None
         leasing.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(leasing.url + "/ready").json()["status"] != "draining":
+            assert time.monotonic() < deadline, "SIGTERM did not start the drain in 10 s"
+            await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
         assert leasing.proc.poll() is None  # still there for the lease holder
-        assert httpx.get(leasing.url + "/ready").json()["status"] == "draining"
         await client.release_lease(r.lease)
     assert leasing.proc.wait(30) == 0
