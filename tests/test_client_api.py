@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import zstandard
 
+from _asgi import read_body, serve_lifespan
 from hsx import wire
 from hsx_client.api import HsxClient
 from hsx_client.errors import (
@@ -78,19 +79,8 @@ class FakeASGI:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                else:
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+            return await serve_lifespan(receive, send)
+        body = await read_body(receive)
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         path = scope["path"]
         if path == "/health":

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from _asgi import read_body, serve_lifespan
 from hsx_client.fast_http import FastTransport
 
 BIG = bytes(range(256)) * (40 << 12)  # 40 MiB, patterned
@@ -17,17 +18,8 @@ BIG = bytes(range(256)) * (40 << 12)  # 40 MiB, patterned
 
 async def app(scope, receive, send):
     if scope["type"] == "lifespan":
-        while True:
-            msg = await receive()
-            await send({"type": msg["type"] + ".complete"})
-            if msg["type"] == "lifespan.shutdown":
-                return
-    body = b""
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
+        return await serve_lifespan(receive, send)
+    body = await read_body(receive)
     path = scope["path"]
     if path == "/big":  # Content-Length, written in uneven pieces
         await send({"type": "http.response.start", "status": 200,
