@@ -163,14 +163,11 @@ def decode(body: bytes | bytearray | memoryview, states: memoryview | None = Non
         else:
             src, lo, hi = view, start + e["data_offsets"][0], start + e["data_offsets"][1]
         shape = tuple(e["shape"])
-        n = 1
-        for d in shape:
-            n *= d
-        if hi - lo != n * ITEMSIZE[e["dtype"]]:
+        if hi - lo != TensorSpec(name, e["dtype"], shape).nbytes:
             raise WireFormatError(f"tensor {name!r}: {hi - lo} bytes for shape {shape}")
         with warnings.catch_warnings():  # read-only bodies are fine: nobody writes into them
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(src[lo:hi], dtype=getattr(torch, dtype)) if n else \
+            flat = torch.frombuffer(src[lo:hi], dtype=getattr(torch, dtype)) if hi > lo else \
                 torch.empty(0, dtype=getattr(torch, dtype))
         tensors[name] = flat.view(shape)
     hs = tensors["hidden_states"]

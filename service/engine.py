@@ -316,8 +316,9 @@ class Extractor:
         self.allocator.free(extent)
 
     async def extract(self, token_ids: list[int], layer_index: list[int], extent: Extent, request_id: str) -> dict:
-        """Prefill `token_ids`; on return the states are in `extent`. The caller frees
-        the extent only through `release_after`, which waits for the worker's notice."""
+        """Prefill `token_ids`; on return the states are in `extent` and the caller frees it.
+        On failure the extent is this method's: freed once the worker's notice says nothing
+        writes it any more (`_release_on_notice`)."""
         from vllm import SamplingParams
 
         assert self.notices is not None
