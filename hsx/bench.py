@@ -861,22 +861,18 @@ def format_table(result: dict[str, Any]) -> str:
             f"-> {c['tokens_per_s_with_finalize']:,.0f} tokens/s with it; corpus "
             f"{c['corpus'].get('rows')} rows, {fmt_bytes(c['corpus'].get('disk_bytes'))}"
         )
+
+        def rate(d: dict[str, Any]) -> str:  # "N tokens/s = R of (a)"
+            tps = d["tokens_per_s"]
+            return f"{tps:,.0f} tokens/s" + (f" = {tps / modes['a']['tokens_per_s']:.3f} of (a)" if "a" in modes else "")
+
         for t, one in (c.get("by_transfer") or {}).items():
-            ratio = one["tokens_per_s"] / modes["a"]["tokens_per_s"] if "a" in modes else None
-            lines.append(f"(c) transfer {t}: {one['tokens_per_s']:,.0f} tokens/s"
-                         + (f" = {ratio:.3f} of (a)" if ratio else "")
-                         + f", wire {fmt_bytes(one['wire_bytes'])}, client peak RSS "
+            lines.append(f"(c) transfer {t}: {rate(one)}, wire {fmt_bytes(one['wire_bytes'])}, client peak RSS "
                          f"{fmt_bytes((one.get('client_memory') or {}).get('peak_rss'))}")
         if c.get("server_http_only"):
-            so = c["server_http_only"]
-            ratio = so["tokens_per_s"] / modes["a"]["tokens_per_s"] if "a" in modes else None
-            lines.append(f"(c) profile: server + HTTP + decompression alone (bodies dropped) "
-                         f"{so['tokens_per_s']:,.0f} tokens/s" + (f" = {ratio:.3f} of (a)" if ratio else ""))
+            lines.append(f"(c) profile: server + HTTP + decompression alone (bodies dropped) {rate(c['server_http_only'])}")
         if c.get("server_lease_only"):
-            so = c["server_lease_only"]
-            ratio = so["tokens_per_s"] / modes["a"]["tokens_per_s"] if "a" in modes else None
-            lines.append(f"(c) profile: server + leases alone (released unread) {so['tokens_per_s']:,.0f} tokens/s"
-                         + (f" = {ratio:.3f} of (a)" if ratio else ""))
+            lines.append(f"(c) profile: server + leases alone (released unread) {rate(c['server_lease_only'])}")
         if c.get("soak"):
             sk = c["soak"]
             pts = ", ".join(f"{k} {fmt_bytes(v['rss'])} (API {fmt_bytes(v['root_rss'])})"
