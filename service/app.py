@@ -350,6 +350,7 @@ async def _start_engine(st: ServerState) -> None:
 
     try:
         await st.extractor.start()
+        st.metrics.kv_cache_usage.set_function(st.extractor.stats.kv_cache_usage)
         f = st.extractor.facts
         template = None
         if st.settings.chat_template:

@@ -19,30 +19,20 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from packaging.version import Version
-
+from hsx_service import vllm_compat
 from hsx_service.arena import Allocator, ArenaFull, ArenaTooSmall, Extent, SharedArena
+from hsx_service.cpu_threads import bind_cpu_workers
+from hsx_service.engine_stats import EngineStats
 from hsx_service.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError
 from hsx_service.settings import ServiceSettings
 
 log = logging.getLogger("hsx.engine")
 
-MIN_VLLM = Version("0.26.0")
-MAX_VLLM_EXCLUSIVE = Version("0.34.0")
-TP_OK_FROM = Version("0.31.0")  # 0.30 leaks KV blocks with TP > 1 and this method
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
-
 
 def check_vllm_version(version: str) -> None:
-    v = Version(version)
-    if not (MIN_VLLM <= Version(v.base_version) < MAX_VLLM_EXCLUSIVE):
+    if not vllm_compat.is_supported(version):
         raise StartupError(
-            f"vLLM {version} is not supported: hsx needs vLLM >= {MIN_VLLM} and < {MAX_VLLM_EXCLUSIVE} "
+            f"vLLM {version} is not supported: hsx needs vLLM {vllm_compat.supported_range()} "
             "(the extract_hidden_states method and the connector API it uses)."
         )
 
@@ -53,10 +43,10 @@ def check_parallelism(version: str, tensor_parallel: int, pipeline_parallel: int
             "pipeline parallel (--pipeline-parallel-size > 1) is not supported: vLLM's "
             "extract_hidden_states method does not support it. Use tensor parallel or replicas."
         )
-    if tensor_parallel > 1 and Version(Version(version).base_version) < TP_OK_FROM:
+    if tensor_parallel > 1 and not vllm_compat.supports_tp(version):
         raise StartupError(
-            f"--tensor-parallel-size {tensor_parallel} needs vLLM >= {TP_OK_FROM} with hidden-state "
-            f"extraction (vLLM {version} leaks KV blocks); use TP 1 replicas or upgrade vLLM."
+            f"--tensor-parallel-size {tensor_parallel} needs vLLM >= {vllm_compat.TENSOR_PARALLEL_FROM} with "
+            f"hidden-state extraction (vLLM {version} leaks KV blocks); use TP 1 replicas or upgrade vLLM."
         )
 
 
@@ -107,9 +97,14 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
     from vllm.model_executor.models.interfaces import supports_eagle3
     from vllm.model_executor.models.registry import ModelRegistry
 
-    version = vllm_version()
+    version = vllm_compat.installed_version()
     check_vllm_version(version)
     check_parallelism(version, engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size)
+    if vllm_compat.is_cpu_backend():
+        try:
+            bind_cpu_workers(engine_args.tensor_parallel_size)
+        except ValueError as exc:
+            raise StartupError(f"--tensor-parallel-size {engine_args.tensor_parallel_size}: {exc}") from exc
     if getattr(engine_args, "speculative_config", None):
         raise StartupError("--speculative-config cannot be combined with hsx: it sets its own (extract_hidden_states)")
     if getattr(engine_args, "kv_transfer_config", None):
@@ -239,6 +234,7 @@ class Extractor:
         self.engine_running = 0  # requests submitted to the engine and not yet finished
         self.vllm_config: Any = None
         self.text_config: Any = None
+        self.stats = EngineStats()
 
     def prepare(self) -> None:
         """Fast checks and set-up, before the port opens. Raises StartupError."""
@@ -264,7 +260,11 @@ class Extractor:
             self.facts.vllm_version, self.facts.model, self.facts.layer_ids,
             self.facts.num_hidden_layers, self.facts.hidden_size, self.facts.dtype,
         )
-        self.engine = await asyncio.to_thread(AsyncLLM.from_vllm_config, self.vllm_config, disable_log_stats=True)
+        # hsx's stat logger only (vLLM's periodic log lines stay off): it feeds hsx_kv_cache_usage.
+        self.engine = await asyncio.to_thread(
+            AsyncLLM.from_vllm_config, self.vllm_config, disable_log_stats=True,
+            stat_loggers=[self.stats.logger_factory()],
+        )
         # Workers have mapped the arena; drop its name so nothing outlives a crash.
         self.arena.unlink()
 

@@ -1,0 +1,70 @@
+"""Every difference between vLLM releases that hsx depends on, in one place.
+
+Other modules ask questions here ("is this release supported?", "may it run tensor
+parallel?", "where is vLLM's argument parser?") and never compare versions themselves.
+docs/compatibility.md records which release x backend x parallelism x model family has
+actually run, with the command and the date; the answers below say no more than that.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from packaging.version import Version
+
+SUPPORTED_FROM = Version("0.26.0")
+SUPPORTED_BELOW = Version("0.34.0")
+# vLLM 0.30 leaks KV blocks with TP > 1 and the extract_hidden_states method.
+TENSOR_PARALLEL_FROM = Version("0.31.0")
+
+
+def installed_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def release(version: str) -> Version:
+    """The release a version string belongs to: '0.33.0rc1.dev5+g12' -> 0.33.0."""
+    return Version(Version(version).base_version)
+
+
+def supported_range() -> str:
+    return f">= {SUPPORTED_FROM} and < {SUPPORTED_BELOW}"
+
+
+def is_supported(version: str) -> bool:
+    return SUPPORTED_FROM <= release(version) < SUPPORTED_BELOW
+
+
+def supports_tp(version: str) -> bool:
+    """Tensor parallel > 1 with hidden-state extraction."""
+    return release(version) >= TENSOR_PARALLEL_FROM
+
+
+def flexible_parser() -> type:
+    """vLLM's argument parser class (vllm.utils.argparse_utils in 0.26 - 0.33)."""
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return FlexibleArgumentParser
+
+
+def is_cpu_backend() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def kv_cache_usage(scheduler_stats: Any) -> float | None:
+    """The fraction of KV blocks in use (0..1) from one step's SchedulerStats
+    (`kv_cache_usage` in 0.26 - 0.33), or None when the release does not report it."""
+    value = getattr(scheduler_stats, "kv_cache_usage", None)
+    return None if value is None else float(value)
+
+
+def stat_logger_base() -> type:
+    """The base class of custom stat loggers passed to AsyncLLM(stat_loggers=[factory]):
+    record(scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) in 0.26 - 0.33."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    return StatLoggerBase
