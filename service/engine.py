@@ -37,7 +37,7 @@ def check_vllm_version(version: str) -> None:
         )
 
 
-def check_parallelism(version: str, tensor_parallel: int, pipeline_parallel: int) -> None:
+def check_parallelism(version: str, tensor_parallel: int, pipeline_parallel: int, data_parallel: int = 1) -> None:
     if pipeline_parallel > 1:
         raise StartupError(
             "pipeline parallel (--pipeline-parallel-size > 1) is not supported: vLLM's "
@@ -47,6 +47,11 @@ def check_parallelism(version: str, tensor_parallel: int, pipeline_parallel: int
         raise StartupError(
             f"--tensor-parallel-size {tensor_parallel} needs vLLM >= {vllm_compat.TENSOR_PARALLEL_FROM} with "
             f"hidden-state extraction (vLLM {version} leaks KV blocks); use TP 1 replicas or upgrade vLLM."
+        )
+    if data_parallel > 1 and not vllm_compat.supports_dp(version):
+        raise StartupError(
+            f"--data-parallel-size {data_parallel} needs vLLM >= {vllm_compat.DATA_PARALLEL_FROM} with hidden-state "
+            f"extraction (not verified on vLLM {version}); run one hsx serve per replica instead, or upgrade vLLM."
         )
 
 
@@ -99,12 +104,13 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
 
     version = vllm_compat.installed_version()
     check_vllm_version(version)
-    check_parallelism(version, engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size)
+    check_parallelism(version, engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size,
+                      engine_args.data_parallel_size)
     if vllm_compat.is_cpu_backend():
         try:
-            bind_cpu_workers(engine_args.tensor_parallel_size)
+            bind_cpu_workers(engine_args.tensor_parallel_size * engine_args.data_parallel_size)
         except ValueError as exc:
-            raise StartupError(f"--tensor-parallel-size {engine_args.tensor_parallel_size}: {exc}") from exc
+            raise StartupError(f"tensor x data parallel ranks: {exc}") from exc
     if getattr(engine_args, "speculative_config", None):
         raise StartupError("--speculative-config cannot be combined with hsx: it sets its own (extract_hidden_states)")
     if getattr(engine_args, "kv_transfer_config", None):

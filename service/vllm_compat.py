@@ -16,6 +16,9 @@ SUPPORTED_FROM = Version("0.26.0")
 SUPPORTED_BELOW = Version("0.34.0")
 # vLLM 0.30 leaks KV blocks with TP > 1 and the extract_hidden_states method.
 TENSOR_PARALLEL_FROM = Version("0.31.0")
+# Data parallel (several engines behind one AsyncLLM) was first verified on 0.32; like
+# TP it is allowed from 0.31, where the KV-block accounting with extraction is right.
+DATA_PARALLEL_FROM = TENSOR_PARALLEL_FROM
 
 
 def installed_version() -> str:
@@ -40,6 +43,11 @@ def is_supported(version: str) -> bool:
 def supports_tp(version: str) -> bool:
     """Tensor parallel > 1 with hidden-state extraction."""
     return release(version) >= TENSOR_PARALLEL_FROM
+
+
+def supports_dp(version: str) -> bool:
+    """Data parallel > 1 with hidden-state extraction."""
+    return release(version) >= DATA_PARALLEL_FROM
 
 
 def flexible_parser() -> type:

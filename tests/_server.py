@@ -35,6 +35,15 @@ def engine_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def metric(server: "ServerProcess", name: str, auth: dict[str, str] | None = None) -> float:
+    """One sample of the server's /metrics, e.g. metric(s, "hsx_arena_used_bytes")."""
+    text = httpx.get(server.url + "/metrics", headers=auth or {}).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
 class ServerProcess:
     def __init__(self, model: str, *args: str, log_dir: Path, env: dict[str, str] | None = None, name: str = "hsx"):
         self.port = free_port()

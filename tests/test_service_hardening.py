@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from _reference import per_layer_rel_err, reference_states
-from _server import ServerProcess, engine_env
+from _server import ServerProcess, engine_env, metric
 from conftest import need_vllm
 from hsx.wire import decode
 
@@ -35,14 +35,6 @@ def tree_rss(pid: int) -> int:
         except psutil.Error:
             pass
     return total
-
-
-def metric(server, name: str, auth=None) -> float:
-    text = httpx.get(server.url + "/metrics", headers=auth or {}).text
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.split()[-1])
-    raise KeyError(name)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +154,7 @@ async def test_flood_gets_503_not_5xx_and_memory_stays_bounded(guarded, tiny_mod
 
 # ---------------------------------------------------------------------- cancellation
 
+@pytest.mark.compat
 async def test_client_disconnect_aborts_engine_request(guarded):
     # Four distinct prompts (no prefix-cache hits) of 591 tokens, prefilled 32 tokens per
     # engine step: ~75 steps. The clients hang up as soon as the server reports a request in
@@ -192,6 +185,7 @@ async def test_client_disconnect_aborts_engine_request(guarded):
 
 # ------------------------------------------------------------------------------ drain
 
+@pytest.mark.compat
 async def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(tiny_model, log_dir):
     need_vllm()
     server = ServerProcess(str(tiny_model), "--dtype", "float32", "--max-model-len", "1024",
