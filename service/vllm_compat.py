@@ -50,6 +50,26 @@ def supports_dp(version: str) -> bool:
     return release(version) >= DATA_PARALLEL_FROM
 
 
+# Hybrid architectures (linear-attention / Mamba layers beside attention) whose states
+# were compared with transformers at every layer, per (backend, release). vLLM has shipped
+# all-zero states for hybrids without an error, so elsewhere hsx refuses them unless told
+# --allow-unverified-hybrid. Add an entry only with a row in docs/compatibility.md.
+HYBRIDS_VERIFIED = {
+    ("cpu", Version("0.32.0")): {"Qwen3NextForCausalLM"},
+}
+
+
+def hybrid_verified(version: str, backend: str, architecture: str) -> bool:
+    return architecture in HYBRIDS_VERIFIED.get((backend, release(version)), set())
+
+
+def is_hybrid(model_cls: type) -> bool:
+    """vLLM's own flag for models with Mamba / linear-attention state (IsHybrid)."""
+    from vllm.model_executor.models.interfaces import is_hybrid as vllm_is_hybrid
+
+    return bool(vllm_is_hybrid(model_cls))
+
+
 def flexible_parser() -> type:
     """vLLM's argument parser class (vllm.utils.argparse_utils in 0.26 - 0.33)."""
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -58,9 +78,14 @@ def flexible_parser() -> type:
 
 
 def is_cpu_backend() -> bool:
+    return backend() == "cpu"
+
+
+def backend() -> str:
+    """'cpu', 'cuda', 'rocm', ... (vLLM's platform device type)."""
     from vllm.platforms import current_platform
 
-    return current_platform.is_cpu()
+    return str(current_platform.device_type)
 
 
 def kv_cache_usage(scheduler_stats: Any) -> float | None:

@@ -38,3 +38,9 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def per_layer_rel_err(got: torch.Tensor, ref: torch.Tensor) -> list[float]:
     return [rel_err(got[:, j], ref[:, j]) for j in range(ref.shape[1])]
+
+
+def contribution_rel_err(got: torch.Tensor, ref: torch.Tensor) -> list[float]:
+    """Relative error of each layer's own contribution (state j minus state j-1), for
+    consecutive ids: a wrong or missing layer cannot hide behind the residual stream."""
+    return [rel_err(got[:, j] - got[:, j - 1], ref[:, j] - ref[:, j - 1]) for j in range(1, ref.shape[1])]

@@ -91,3 +91,29 @@ def test_bind_only_where_vllm_would_refuse(tmp_path):
     assert bind_cpu_workers(1, env, cpus={0, 1}, node_dir=one) is None and env == {}
     two = _nodes(tmp_path / "two", "0-3", "4-7")
     assert bind_cpu_workers(2, env, cpus=set(range(8)), node_dir=two) is None and env == {}  # vLLM's auto works
+
+
+def test_hybrids_verified_per_backend_and_release():
+    assert vllm_compat.hybrid_verified("0.32.0", "cpu", "Qwen3NextForCausalLM")
+    assert not vllm_compat.hybrid_verified("0.31.0", "cpu", "Qwen3NextForCausalLM")
+    assert not vllm_compat.hybrid_verified("0.32.0", "cuda", "Qwen3NextForCausalLM")
+    assert not vllm_compat.hybrid_verified("0.32.0", "cpu", "NemotronHForCausalLM")
+
+
+def test_check_hybrid_refuses_unverified_unless_allowed(monkeypatch):
+    from hsx_service.engine import check_hybrid
+    from hsx_service.errors import StartupError
+    from hsx_service.settings import ServiceSettings
+
+    monkeypatch.setattr(vllm_compat, "backend", lambda: "cuda")
+    args = SimpleNamespace(enable_prefix_caching=None)
+    with pytest.raises(StartupError, match=r"has not verified its hidden states on vLLM 0.33.0 \(cuda\)"):
+        check_hybrid("0.33.0", "Qwen3NextForCausalLM", args, ServiceSettings())
+    check_hybrid("0.33.0", "Qwen3NextForCausalLM", args, ServiceSettings(allow_unverified_hybrid=True))
+    assert args.enable_prefix_caching is None  # left to vLLM off the CPU backend
+
+    monkeypatch.setattr(vllm_compat, "backend", lambda: "cpu")
+    check_hybrid("0.32.0", "Qwen3NextForCausalLM", args, ServiceSettings())
+    assert args.enable_prefix_caching is False  # no Triton on CPU for hybrid prefix caching
+    with pytest.raises(StartupError, match="cannot use --enable-prefix-caching"):
+        check_hybrid("0.32.0", "Qwen3NextForCausalLM", SimpleNamespace(enable_prefix_caching=True), ServiceSettings())
