@@ -3,7 +3,7 @@
 Families: `llama` (dense; `hsx demo`, the tests and the benchmark, which asks for a
 bigger one: 16 layers x 2048 hidden), `qwen3_moe` (a mixture of experts) and
 `qwen3_next` (a hybrid: Gated DeltaNet linear-attention layers, one full-attention
-layer in four, dense MLPs). The tokenizer is a byte-level BPE trained here on a short
+layer in four, MoE MLPs). The tokenizer is a byte-level BPE trained here on a short
 built-in text, with a ChatML-style chat template that marks assistant turns with
 `{% generation %}`, so every request kind works on it.
 """
@@ -96,11 +96,12 @@ def _config(family: str, tokenizer, *, num_layers: int, hidden_size: int, interm
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
-        # Dense MLPs (mlp_only_layers): the hybrid runs in bf16 on vLLM's CPU backend, where
-        # MoE routing flips between near-tied experts for a few tokens, numerics that would
-        # hide what this model is for (the GDN layers). qwen3_moe covers experts, in fp32.
+        # Every token goes to both of 2 experts: the hybrid runs in bf16 on vLLM's CPU backend,
+        # where a top-k choice between near-tied experts flips for a few tokens, numerics that
+        # would hide what this model is for (the GDN layers). qwen3_moe covers routing, in fp32.
+        # (vLLM's Qwen3-Next needs MoE layers; dense MLPs everywhere fail to load.)
+        moe.update(num_experts=2, num_experts_per_tok=2)
         cfg = Qwen3NextConfig(
-            mlp_only_layers=list(range(num_layers)),
             **common, **moe, head_dim=head_dim, layer_types=layer_types, decoder_sparse_step=1,
             shared_expert_intermediate_size=intermediate_size // 2, partial_rotary_factor=0.25,
             # 128 as in Qwen3-Next: vLLM's CPU Gated DeltaNet kernel takes no other head size.
