@@ -93,3 +93,21 @@ class ServerProcess:
             pass
         self._log.close()
         return self.proc.returncode
+
+
+async def wait_health_dead(server: ServerProcess, timeout: float) -> int | None:
+    """Poll /health until it answers 503 (returned) or the server is gone (None)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    health = None
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.monotonic() < deadline:
+            try:
+                health = (await client.get(server.url + "/health")).status_code
+            except httpx.HTTPError:
+                return None  # already exited
+            if health == 503:
+                return health
+            await asyncio.sleep(0.1)
+    return health

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _reference import contribution_rel_err, per_layer_rel_err, reference_states  # noqa: E402
+from _reference import check_responses  # noqa: E402
 
 
 async def main(argv: list[str]) -> int:
@@ -33,8 +33,6 @@ async def main(argv: list[str]) -> int:
     p.add_argument("--tol", type=float, default=3e-2, help="per-layer relative error (bf16: 3e-2, fp32: 1e-4)")
     p.add_argument("--contribution-tol", type=float, default=5e-2)
     a = p.parse_args(argv)
-    from hsx.wire import decode
-
     async with httpx.AsyncClient(timeout=600) as client:
         info = (await client.get(a.url + "/info")).json()
         vocab = info["vocab_size"]
@@ -42,22 +40,18 @@ async def main(argv: list[str]) -> int:
         prompts = [[1] + [rng.randrange(6, vocab) for _ in range(rng.choice([3, 30, 150, 400]))]
                    for _ in range(a.requests)]
         rs = await asyncio.gather(*[client.post(a.url + "/hidden_states", json={"input_ids": q}) for q in prompts])
-    worst = worst_c = 0.0
-    for q, r in zip(prompts, rs):
-        if r.status_code != 200:
-            print(f"FAIL HTTP {r.status_code}: {r.text[:300]}")
-            return 1
-        dec = decode(r.content)
-        ref = reference_states(a.model_dir, q, dec.layer_ids)
-        worst = max(worst, *per_layer_rel_err(dec.hidden_states, ref))
-        ids = dec.layer_ids
-        if all(b == x + 1 for x, b in zip(ids, ids[1:])) and len(ids) > 1:
-            worst_c = max(worst_c, *contribution_rel_err(dec.hidden_states.float(), ref))
-    ok = worst < a.tol and worst_c < a.contribution_tol
-    print(f"{'PASS' if ok else 'FAIL'} {info['architecture']} on vLLM {info['vllm_version']}, layers {info['layer_ids']}, "
+    ids = info["layer_ids"]
+    consecutive = len(ids) > 1 and all(b == x + 1 for x, b in zip(ids, ids[1:]))
+    try:
+        worst, worst_c = check_responses(rs, prompts, a.model_dir, ids, a.tol,
+                                         a.contribution_tol if consecutive else None)
+    except AssertionError as exc:
+        print(f"FAIL {info['architecture']} on vLLM {info['vllm_version']}: {str(exc)[:500]}")
+        return 1
+    print(f"PASS {info['architecture']} on vLLM {info['vllm_version']}, layers {info['layer_ids']}, "
           f"{info['dtype']}: worst per-layer rel err {worst:.2e} (tol {a.tol:g}), of a layer's contribution "
           f"{worst_c:.2e} (tol {a.contribution_tol:g})")
-    return 0 if ok else 1
+    return 0
 
 
 if __name__ == "__main__":

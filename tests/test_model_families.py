@@ -10,10 +10,9 @@ import random
 import httpx
 import pytest
 
-from _reference import contribution_rel_err, per_layer_rel_err, reference_states
+from _reference import check_responses
 from _server import ServerProcess
 from conftest import need_vllm
-from hsx.wire import decode
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -41,27 +40,20 @@ def moe_server(moe_model, log_dir):
     server.stop()
 
 
-async def _exact_under_concurrency(server, model_dir, seed: int) -> float:
+async def _post_random(server, seed: int) -> tuple[list[list[int]], list[httpx.Response]]:
     rng = random.Random(seed)
     prompts = [[1] + [rng.randrange(6, 1000) for _ in range(rng.choice([3, 30, 150, 400]))] for _ in range(16)]
     async with httpx.AsyncClient(timeout=300) as client:
         rs = await asyncio.gather(*[client.post(server.url + "/hidden_states", json={"input_ids": p})
                                     for p in prompts])
-    worst = 0.0
-    for p, r in zip(prompts, rs):
-        assert r.status_code == 200, r.text
-        dec = decode(r.content)
-        assert dec.token_ids.tolist() == p and dec.layer_ids == LAYERS
-        errs = per_layer_rel_err(dec.hidden_states, reference_states(str(model_dir), p, LAYERS))
-        assert max(errs) < FP32_TOL, f"relative error per layer {dict(zip(LAYERS, errs))}"
-        worst = max(worst, max(errs))
-    return worst
+    return prompts, rs
 
 
 async def test_tiny_moe_every_layer_matches_transformers(moe_server, moe_model):
     info = httpx.get(moe_server.url + "/info").json()
     assert info["architecture"] == "Qwen3MoeForCausalLM" and info["layer_ids"] == LAYERS
-    worst = await _exact_under_concurrency(moe_server, moe_model, 0)
+    prompts, rs = await _post_random(moe_server, 0)
+    worst, _ = check_responses(rs, prompts, moe_model, LAYERS, FP32_TOL)
     print(f"\ntiny Qwen3-MoE (4 experts, 2 per token): 16 concurrent requests, worst relative error {worst:.2e}")
 
 
@@ -97,25 +89,9 @@ async def test_tiny_hybrid_every_layer_matches_transformers(hybrid_server, hybri
     # Layers 1-3 are Gated DeltaNet, layer 4 full attention. Beside the residual stream,
     # each layer's own contribution (h[k] - h[k-1], 20-35% of the stream here) must match:
     # a layer vLLM got wrong, or all-zero states, cannot hide behind the residual.
-    rng = random.Random(1)
-    prompts = [[1] + [rng.randrange(6, 1000) for _ in range(rng.choice([3, 30, 150, 400]))] for _ in range(16)]
-    async with httpx.AsyncClient(timeout=300) as client:
-        rs = await asyncio.gather(*[client.post(hybrid_server.url + "/hidden_states", json={"input_ids": p})
-                                    for p in prompts])
-    log = hybrid_server.log_path.read_text(errors="replace")
-    assert "prefix caching off" in log
-    worst, worst_delta = 0.0, 0.0
-    for p, r in zip(prompts, rs):
-        assert r.status_code == 200, r.text
-        dec = decode(r.content)
-        assert dec.token_ids.tolist() == p and dec.layer_ids == LAYERS
-        ref = reference_states(str(hybrid_model), p, LAYERS)
-        got = dec.hidden_states.float()
-        errs = per_layer_rel_err(got, ref)
-        assert max(errs) < BF16_TOL, f"relative error per layer {dict(zip(LAYERS, errs))}"
-        deltas = contribution_rel_err(got, ref)
-        assert max(deltas) < BF16_DELTA_TOL, f"relative error of each layer's contribution {deltas}"
-        worst, worst_delta = max(worst, max(errs)), max(worst_delta, max(deltas))
+    prompts, rs = await _post_random(hybrid_server, 1)
+    assert "prefix caching off" in hybrid_server.log_path.read_text(errors="replace")
+    worst, worst_delta = check_responses(rs, prompts, hybrid_model, LAYERS, BF16_TOL, BF16_DELTA_TOL)
     print(f"\ntiny Qwen3-Next (bf16): 16 concurrent requests, worst relative error {worst:.2e}, "
           f"of a layer's contribution {worst_delta:.2e}")
 

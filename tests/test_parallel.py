@@ -17,10 +17,9 @@ import httpx
 import psutil
 import pytest
 
-from _reference import per_layer_rel_err, reference_states
-from _server import STORIES, ServerProcess, engine_env, metric
+from _reference import check_responses
+from _server import STORIES, ServerProcess, engine_env, metric, wait_health_dead
 from conftest import need_fixtures, need_vllm
-from hsx.wire import decode
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -61,15 +60,7 @@ async def post_all(url: str, prompts, concurrency: int = 64) -> list[httpx.Respo
 
 
 def assert_exact(responses, prompts) -> float:
-    worst = 0.0
-    for p, r in zip(prompts, responses):
-        assert r.status_code == 200, r.text
-        dec = decode(r.content)
-        assert dec.token_ids.tolist() == p and dec.layer_ids == LAYERS
-        errs = per_layer_rel_err(dec.hidden_states, reference_states(str(STORIES), p, LAYERS))
-        assert max(errs) < FP32_TOL, f"relative error per layer {dict(zip(LAYERS, errs))}"
-        worst = max(worst, max(errs))
-    return worst
+    return check_responses(responses, prompts, STORIES, LAYERS, FP32_TOL)[0]
 
 
 async def wait_idle(server: ServerProcess, timeout: float = 60) -> dict[str, float]:
@@ -195,18 +186,7 @@ async def test_tp2_engine_timeouts_free_everything_then_worker_kill_exits_1(log_
 
         victim = workers(server)[-1]
         victim.kill()
-        deadline = time.monotonic() + 60
-        health = None
-        async with httpx.AsyncClient(timeout=5) as client:
-            while time.monotonic() < deadline:
-                try:
-                    health = (await client.get(server.url + "/health")).status_code
-                except httpx.HTTPError:
-                    break  # already gone
-                if health == 503:
-                    break
-                await asyncio.sleep(0.1)
-        assert health in (503, None)
+        assert await wait_health_dead(server, 60) in (503, None)
         assert server.proc.wait(90) == 1
     finally:
         server.stop()

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from _reference import per_layer_rel_err, reference_states
-from _server import ServerProcess, engine_env, metric
+from _server import ServerProcess, engine_env, metric, wait_health_dead
 from conftest import need_vllm
 from hsx.wire import decode
 
@@ -238,17 +238,7 @@ async def test_injected_engine_failure_gives_500_health_503_and_nonzero_exit(tin
                 assert r.status_code in (500, 503), r.text
                 assert "Traceback" not in r.text and "injected" not in r.text
             assert rs[0].status_code == 500 and rs[0].json()["error"]["type"] == "engine_error"
-            deadline = time.monotonic() + 30
-            health = None
-            while time.monotonic() < deadline:
-                try:
-                    health = (await client.get(server.url + "/health")).status_code
-                except httpx.HTTPError:
-                    break  # already exited
-                if health == 503:
-                    break
-                await asyncio.sleep(0.1)
-            assert health in (503, None)
+            assert await wait_health_dead(server, 30) in (503, None)
         code = server.proc.wait(60)
         assert code not in (0, None), code
     finally:
