@@ -8,12 +8,8 @@ import sys
 import pytest
 
 from _server import engine_env
-from hsx_service.engine import (
-    check_parallelism,
-    check_vllm_version,
-    default_layers,
-    resolve_layers,
-)
+from hsx.layers import default_layers
+from hsx_service.engine import check_parallelism, check_vllm_version, resolve_layers
 from hsx_service.errors import StartupError
 
 
@@ -83,6 +79,7 @@ def test_serve_refuses_architecture_without_eagle3_interface(tmp_path):
     assert "does not implement vLLM's EAGLE-3" in r.stderr and "GPT2" in r.stderr
 
 
+@pytest.mark.slow  # imports vLLM in a child process (10-20 s)
 def test_serve_refuses_missing_model():
     r = _serve("/no/such/model", "--port", "0", timeout=120)
     assert r.returncode == 2 and "does not exist" in r.stderr
