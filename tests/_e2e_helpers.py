@@ -164,8 +164,9 @@ def stored_indices(out: Path) -> list[int]:
 
 
 def wait_for_manifest(cp: CliProcess, out: Path, n: int, timeout: float = 120) -> int:
-    """Poll until the manifest holds >= n stored samples; returns the count seen (the
-    process must still be running then, else the kill point was missed)."""
+    """Poll until the manifest holds >= n stored samples (a file read every 20 ms: the
+    kill points want to be close); returns the count seen. The process must still be
+    running then, else the kill point was missed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         k = len(stored_indices(out))
@@ -174,7 +175,7 @@ def wait_for_manifest(cp: CliProcess, out: Path, n: int, timeout: float = 120) -
         if cp.proc.poll() is not None:
             raise AssertionError(f"hsx extract exited ({cp.proc.returncode}) before {n} samples were stored:\n"
                                  + cp.output()[-3000:])
-        time.sleep(0.01)
+        time.sleep(0.02)
     raise AssertionError(f"manifest did not reach {n} samples in {timeout}s")
 
 

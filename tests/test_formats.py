@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from hsx_client import formats as fmt_mod
 from hsx_client import store
 from hsx_client.formats import (
     CorpusContext,
@@ -260,10 +259,10 @@ def test_speculators_subset_is_compacted_crash_safely(tmp_path, monkeypatch):
             raise KeyboardInterrupt("simulated crash")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(fmt_mod.os, "replace", crashing_replace)
+    monkeypatch.setattr(os, "replace", crashing_replace)
     with pytest.raises(KeyboardInterrupt):
         f.finalize(tmp_path, records, ctx)
-    monkeypatch.setattr(fmt_mod.os, "replace", real_replace)
+    monkeypatch.setattr(os, "replace", real_replace)
     journal = json.loads((tmp_path / "hsx_compaction.json").read_text())
     assert journal["moves"] == [[5, 1], [6, 4]]
 
