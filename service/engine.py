@@ -17,7 +17,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
@@ -26,6 +26,10 @@ from hsx.layers import default_layers
 from hsx_service.arena import Allocator, ArenaFull, ArenaTooSmall, Reservation, SharedArena
 from hsx_service.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError, TooLarge
 from hsx_service.settings import ServiceSettings
+
+if TYPE_CHECKING:  # vLLM is imported when the engine starts, not with this module
+    from vllm.config import VllmConfig
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger("hsx.engine")
 
@@ -227,12 +231,12 @@ class Extractor:
         self.arena: SharedArena | None = None
         self.allocator: Allocator | None = None
         self.notices: Notices | None = None
-        self.engine: Any = None
+        self.engine: AsyncLLM | None = None
         self.facts: ModelFacts | None = None
         self.itemsize = 2
         self.engine_running = 0  # requests submitted to the engine and not yet finished
-        self.vllm_config: Any = None
-        self.text_config: Any = None
+        self.vllm_config: VllmConfig | None = None
+        self.text_config: Any = None  # the model's transformers text config
 
     def prepare(self) -> None:
         """Fast checks and set-up, before the port opens. Raises StartupError."""

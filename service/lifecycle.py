@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -35,7 +36,10 @@ from hsx_service.app import ServerState, create_app
 from hsx_service.engine import Extractor
 from hsx_service.errors import StartupError
 from hsx_service.lease import ArenaSocket
+from hsx_service.norm import load_final_norm
+from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
+from hsx_service.tokenize import Tokenizer
 
 log = logging.getLogger("hsx")
 
@@ -100,10 +104,6 @@ class Lifecycle:
             st.extractor.shutdown()
 
     async def start_engine(self) -> None:
-        from hsx_service.norm import load_final_norm
-        from hsx_service.serving import HiddenStatesService
-        from hsx_service.tokenize import Tokenizer
-
         st = self.state
         try:
             await st.extractor.start()
@@ -180,8 +180,6 @@ class _DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame):
-        import signal
-
         if self._draining or self._loop is None:
             if sig == signal.SIGINT:
                 self.force_exit = True

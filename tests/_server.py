@@ -57,6 +57,11 @@ class ServerProcess(_ServerProcess):
         port = free_port()
         super().__init__(model, *args, log_path=log_dir / f"{name}-{port}.log", env=env or engine_env(), port=port)
 
+    def wait_ready(self, timeout: float = 600.0) -> "ServerProcess":
+        """Ten minutes: a CPU engine starts in ~25 s, but a 2-core box shared with other
+        work was seen to take over five."""
+        return super().wait_ready(timeout)
+
 
 class Servers:
     """The servers of one configuration for a module. `shared()` is the one the tests

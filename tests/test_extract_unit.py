@@ -16,7 +16,7 @@ import safetensors.numpy
 from hsx import wire
 from hsx_client import extract as ex
 from hsx_client import store
-from hsx_client.plan import estimate_tokens
+from hsx_client.plan import estimate_tokens, pending
 from hsx_client.verify import verify_corpus
 
 L, H = 4, 8
@@ -198,6 +198,32 @@ def test_full_run_and_verify(tmp_path, data):
     assert r2.exit_code == 0 and sum(srv.requests.values()) == N
 
 
+def test_the_run_loop_reports_through_its_hooks(tmp_path, data):
+    """RunHooks: what the benchmark times the fan-out with, instead of overriding the loop."""
+    from hsx_client.run import RunHooks
+
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    srv.bad_ids = {3}
+    events = []
+    hooks_ = RunHooks(
+        on_start=lambda run: events.append(("start", len(run.queue))),
+        on_stored=lambda run, i, entry: events.append(("stored", i, entry["key"] == run.keys[i])),
+        on_failed=lambda run, i, entry: events.append(("failed", i, entry["kind"])),
+        on_end=lambda run: events.append(("end", len(run.done), len(run.failed))),
+    )
+    r = ex.run_extract(cfg_for(data, out), hooks(fmt), transport=httpx.MockTransport(srv), run_hooks=hooks_)
+    assert r.exit_code == 0 and r.summary["finalize_s"] >= 0
+    assert events[0] == ("start", N) and events[-1] == ("end", N - 1, 1)
+    stored = [e for e in events if e[0] == "stored"]
+    assert len(stored) == N - 1 and all(ok for _, _, ok in stored)
+    assert [e for e in events if e[0] == "failed"] == [("failed", plan_index_of(out, "in.jsonl:4"), "bad_request")]
+
+
+def plan_index_of(out, key):
+    return json.loads((out / "plan.json").read_text())["keys"].index(key)
+
+
 def test_crash_then_resume_gives_each_sample_once(tmp_path, data):
     out = tmp_path / "out"
     fmt, srv = FakeFormat(), FakeServer()
@@ -354,6 +380,11 @@ def test_servers_down_stops_resumable(tmp_path, data):
     srv.down = False
     r = run(cfg_for(data, out), fmt, srv)
     assert r.exit_code == 0 and r.summary["done"] == N
+
+
+def test_pending_is_the_plan_order_minus_done_and_failed_with_an_optional_selection():
+    assert pending(6, {0: {}}, {2: {}}) == [1, 3, 4, 5]
+    assert pending(6, {0: {}}, {2: {}}, select=lambda i: i % 2 == 1) == [1, 3, 5]  # e.g. one shard of two
 
 
 def test_estimate_tokens():
