@@ -11,14 +11,13 @@ from __future__ import annotations
 import asyncio
 import random
 import signal
-import time
 
 import httpx
 import psutil
 import pytest
 
 from _reference import check_responses
-from _server import STORIES, ServerProcess, engine_env, metric, wait_health_dead
+from _server import STORIES, Servers, ServerProcess, engine_dead_or_gone, engine_env, eventually, metrics_async, wait_until
 from conftest import need_fixtures, need_vllm
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -63,14 +62,19 @@ def assert_exact(responses, prompts) -> float:
     return check_responses(responses, prompts, STORIES, LAYERS, FP32_TOL)[0]
 
 
-async def wait_idle(server: ServerProcess, timeout: float = 60) -> dict[str, float]:
-    names = ("hsx_kv_cache_usage", "hsx_arena_used_bytes", "hsx_engine_requests", "hsx_inflight_requests")
-    deadline = time.monotonic() + timeout
-    while True:
-        values = {n: metric(server, n) for n in names}
-        if not any(values.values()) or time.monotonic() > deadline:
-            return values
-        await asyncio.sleep(0.2)
+IDLE = ("hsx_kv_cache_usage", "hsx_arena_used_bytes", "hsx_engine_requests", "hsx_inflight_requests")
+
+
+def wait_idle(server: ServerProcess, timeout: float = 60) -> None:
+    """KV blocks, arena, engine and gate all back to 0 (fails naming the values left)."""
+    def idle() -> bool:
+        return not any(server.metrics().get(n) for n in IDLE)
+
+    try:
+        wait_until(idle, timeout, "back to idle")
+    except AssertionError:
+        m = server.metrics()
+        raise AssertionError(f"not back to idle: { {n: m.get(n) for n in IDLE} }") from None
 
 
 def engine_processes(server: ServerProcess) -> list[psutil.Process]:
@@ -89,13 +93,25 @@ def assert_binding_logged(server: ServerProcess, ranks: int) -> None:
 # ----------------------------------------------------------------------- tensor parallel 2
 
 @pytest.fixture(scope="module")
-def tp_server(log_dir):
+def tp_servers(log_dir):
     """TP 2, fp32, prefix caching, 64 tokens per step (long prompts are chunked)."""
     need_parallel()
-    server = parallel_server(log_dir, "tp2", "--tensor-parallel-size", "2", "--enable-prefix-caching",
-                             "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--shutdown-timeout", "60")
-    yield server
-    server.stop()
+    servers = Servers(lambda: parallel_server(
+        log_dir, "tp2", "--tensor-parallel-size", "2", "--enable-prefix-caching",
+        "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--shutdown-timeout", "60"))
+    yield servers
+    servers.stop_all()
+
+
+@pytest.fixture
+def tp_server(tp_servers) -> ServerProcess:
+    return tp_servers.shared()
+
+
+@pytest.fixture
+def tp_server_to_stop(tp_servers) -> ServerProcess:
+    """The TP 2 server, for a test that stops it; the tests after it get a fresh one."""
+    return tp_servers.to_stop()
 
 
 @pytest.mark.compat
@@ -119,9 +135,8 @@ async def test_tp2_kv_blocks_and_arena_back_to_idle_after_churn(tp_server):
     async def watch():
         async with httpx.AsyncClient() as c:
             while True:
-                seen.append(float(next(line.split()[-1] for line in (await c.get(tp_server.url + "/metrics")).text
-                                       .splitlines() if line.startswith("hsx_kv_cache_usage "))))
-                await asyncio.sleep(0.05)
+                seen.append((await metrics_async(c, tp_server.url)).get("hsx_kv_cache_usage"))
+                await asyncio.sleep(0.1)
 
     async def hang_ups():
         async with httpx.AsyncClient(timeout=120) as c:
@@ -140,23 +155,24 @@ async def test_tp2_kv_blocks_and_arena_back_to_idle_after_churn(tp_server):
     assert [r.status_code for r in responses] == [200] * len(prompts)
     assert any(isinstance(h, asyncio.CancelledError) for h in hung), "every hang-up came too late"
     assert max(seen) > 0, "hsx_kv_cache_usage never rose above 0 under load"
-    idle = await wait_idle(tp_server)
-    assert not any(idle.values()), f"not back to idle: {idle}"
+    wait_idle(tp_server)
     for p, r in list(zip(prompts, responses))[:: len(prompts) // 12]:  # a sample, against transformers
         assert_exact([r], [p])
-    print(f"\nTP 2 churn: {len(prompts)} requests + {len(hung)} hang-ups, peak KV usage {max(seen):.4f}, idle {idle}")
+    print(f"\nTP 2 churn: {len(prompts)} requests + {len(hung)} hang-ups, peak KV usage {max(seen):.4f}")
 
 
-async def test_tp2_sigterm_drains_and_leaves_no_process(tp_server):
-    # Last in this module: it stops the shared server.
+async def test_tp2_sigterm_drains_and_leaves_no_process(tp_server_to_stop):
+    tp_server = tp_server_to_stop
     procs = [psutil.Process(tp_server.proc.pid), *engine_processes(tp_server)]
     prompts = random_prompts(6, 16, lengths=(480,))
     async with httpx.AsyncClient(timeout=120) as client:
         calls = [asyncio.ensure_future(client.post(tp_server.url + "/hidden_states", json={"input_ids": p}))
                  for p in prompts]
-        deadline = time.monotonic() + 30
-        while "\nhsx_engine_requests 0.0" in (await client.get(tp_server.url + "/metrics")).text:
-            assert time.monotonic() < deadline, "no request reached the engine in 30 s"
+
+        async def in_engine() -> bool:
+            return (await metrics_async(client, tp_server.url)).get("hsx_engine_requests") > 0
+
+        await eventually(in_engine, 30, "a request reached the engine")
         tp_server.signal(signal.SIGTERM)
         pending = sum(not c.done() for c in calls)
         done = await asyncio.gather(*calls)
@@ -180,13 +196,13 @@ async def test_tp2_engine_timeouts_free_everything_then_worker_kill_exits_1(log_
         codes = [r.status_code for r in rs]
         assert 504 in codes and set(codes) <= {200, 504}, codes
         assert all(r.json()["error"]["type"] == "timeout" for r in rs if r.status_code == 504)
-        idle = await wait_idle(server)
-        assert not any(idle.values()), f"not back to idle after timeouts: {idle}"
+        wait_idle(server)
         assert (await post_all(server.url, [[1, 5, 6]]))[0].status_code == 200
 
         victim = workers(server)[-1]
         victim.kill()
-        assert await wait_health_dead(server, 60) in (503, None)
+        async with httpx.AsyncClient(timeout=5) as client:
+            await engine_dead_or_gone(client, server.url, 60)
         assert server.proc.wait(90) == 1
     finally:
         server.stop()
@@ -201,7 +217,6 @@ async def test_dp2_states_exact_and_kv_idle(log_dir):
         assert_binding_logged(server, 2)
         prompts = random_prompts(8, 40)
         assert_exact(await post_all(server.url, prompts), prompts)
-        idle = await wait_idle(server)
-        assert not any(idle.values()), f"not back to idle: {idle}"
+        wait_idle(server)
     finally:
         server.stop()
