@@ -8,7 +8,8 @@
 # Run from the repository root on the development machine; ~1.5 GB download, ~20 min of one core
 # (zstd -19). tests/gpu/README.md explains what is kept and why.
 # Environment: GPUKIT_WORK (scratch, default /tmp/gpukit-work-<ver>), GPUKIT_PART_MIB (46),
-# GPUKIT_ZSTD_LEVEL (19), GPUKIT_ARCH (90: keep sm_90/sm_90a GPU code only).
+# GPUKIT_ZSTD_LEVEL (19; 12 is ~10x faster and ~20% larger), GPUKIT_ARCH (90: keep sm_90/sm_90a GPU
+# code only), GPUKIT_REUSE_SITE=1 (pack the tree a previous run left in $GPUKIT_WORK/site again).
 set -euo pipefail
 ver=${1:?usage: build_kit.sh VLLM_VERSION (a tests/gpu/kit/vllm-VERSION.txt must exist)}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -29,9 +30,14 @@ plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platfo
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64
       --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_5_x86_64)
 py=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none)
+site=$work/site
 mkdir -p "$work/core" "$work/deps" "$work/boot"
 # pip, with its output kept apart (this machine's pip.conf names local indexes that may be absent).
 pipq() { python3 -m pip "$@" > "$work/pip.log" 2>&1 || { grep -v "is ignored: it is neither" "$work/pip.log" >&2; exit 1; }; }
+if [ "${GPUKIT_REUSE_SITE:-0}" = 1 ] && [ -f "$work/site.done" ]; then
+    echo "build_kit: packing the tree left in $site again"
+else
+rm -f "$work/site.done"
 echo "build_kit: downloading (cached in $work) ..."
 # shellcheck disable=SC2046
 pipq download -q --no-deps "${py[@]}" "${plat[@]}" --platform manylinux_2_18_x86_64 -d "$work/core" $(field core)
@@ -40,12 +46,11 @@ pipq download -q --no-deps "${py[@]}" "${plat[@]}" -d "$work/deps" $(field deps)
 # shellcheck disable=SC2046
 pipq download -q --no-deps "${py[@]}" "${plat[@]}" -d "$work/boot" $(field boot)
 
-site=$work/site
 rm -rf "$site" && mkdir -p "$site"
 echo "build_kit: unpacking ..."
 for w in "$work"/core/*.whl; do python3 -m zipfile -e "$w" "$site"; done  # these wheels have no .data dirs
 pipq install -q --no-deps --no-compile --no-index --target "$site" "${py[@]}" "${plat[@]}" "$work"/deps/*.whl
-rm -rf "$site/bin"  # console scripts written for this machine's Python
+rm -rf "${site:?}/bin"  # console scripts written for this machine's Python
 for p in $(field drop); do
     [ -e "$site/$p" ] || { echo "build_kit: drop list names $p, which $ver does not have" >&2; exit 1; }
     rm -rf "${site:?}/$p"
@@ -57,8 +62,11 @@ find "$site" -name __pycache__ -type d -prune -exec rm -rf {} +
 echo "build_kit: pruning GPU code to sm_$arch and stripping symbol tables ..."
 mapfile -t elfs < <(find "$site" -type f \( -name '*.so' -o -name '*.so.*' \) -exec sh -c 'head -c4 "$1" | grep -q ELF' _ {} \; -print | sort)
 nice python3 "$here/kit/fatbin_prune.py" --arch "$arch" "${elfs[@]}"
-# --strip-unneeded keeps the dynamic symbol table (all that linking and dlopen use).
-for f in "${elfs[@]}"; do nice strip --strip-unneeded "$f"; done
+# --strip-unneeded keeps the dynamic symbol table (all that linking and dlopen use); a file whose
+# segments stripping would change is left as it was.
+nice python3 "$here/kit/safe_strip.py" "${elfs[@]}"
+touch "$work/site.done"
+fi
 
 echo "build_kit: packing (zstd -$level --long=31, one core) ..."
 (cd "$site" && find . -type f -o -type l | sort | sed 's|^\./||') > "$work/files.txt"

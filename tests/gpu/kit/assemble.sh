@@ -18,7 +18,7 @@ if [ "$have" -ne "$nparts" ]; then
     exit 3
 fi
 t0=$(date +%s)
-cat $(ls "$stash"/part* | sort) > "$stash/kit.tar.zst"
+cat "$stash"/part* > "$stash/kit.tar.zst"  # part00, part01, ...: the glob sorts them
 echo "$(cat "$here/kit.tar.zst.sha256")  $stash/kit.tar.zst" | sha256sum -c --quiet
 rm -f "$stash"/part*
 rm -rf "$site" && mkdir -p "$site"
@@ -39,13 +39,14 @@ host_sp=$(cd / && env -u PYTHONPATH python3 -c "import importlib.util, os
 print(os.path.dirname(importlib.util.find_spec('torch').submodule_search_locations[0]))")
 [ -d "$host_sp/nvidia" ] || { echo "assemble: no nvidia/ in $host_sp: the image's CUDA libraries are missing" >&2; exit 4; }
 mkdir -p "$site/nvidia"
+own=$(cd "$site/nvidia" && echo *)
 linked=()
 for d in "$host_sp"/nvidia/*/; do
     name=$(basename "$d")
     [ -e "$site/nvidia/$name" ] || { ln -s "${d%/}" "$site/nvidia/$name"; linked+=("$name"); }
 done
 echo "assemble: vLLM $ver kit in $site ($(du -sm "$site" | cut -f1) MiB, $(($(date +%s) - t0)) s);" \
-     "image's CUDA libraries linked: ${linked[*]}; from the kit: $(ls "$site/nvidia" | grep -vxF -f <(printf '%s\n' "${linked[@]}") | tr '\n' ' ')"
+     "from the kit: nvidia/$own; the image's, linked: ${linked[*]}"
 PYTHONPATH=$site PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 python3 - <<'EOF'
 import torch, triton, vllm
 x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)

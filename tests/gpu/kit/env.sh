@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Source on the H200 machine after assemble.sh, in the repository root: `. tests/gpu/kit/env.sh`
 # The assembled kit first, then hsx from this checkout (client/ and service/ linked under their
 # package names, as `hsx bench` does for an uninstalled checkout).
