@@ -16,7 +16,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 spec=$here/kit/vllm-$ver.txt
 [ -f "$spec" ] || { echo "build_kit: no $spec; kits exist for: $(ls "$here"/kit/vllm-*.txt | sed 's/.*vllm-//; s/.txt//' | tr '\n' ' ')" >&2; exit 2; }
 root=$(git rev-parse --show-toplevel)
-kit=$root/.gpukit-$ver
+kit=${GPUKIT_OUT:-$root/.gpukit-$ver}
 work=${GPUKIT_WORK:-/tmp/gpukit-work-$ver}
 part_mib=${GPUKIT_PART_MIB:-46}
 level=${GPUKIT_ZSTD_LEVEL:-19}

@@ -22,7 +22,7 @@ cat "$stash"/part* > "$stash/kit.tar.zst"  # part00, part01, ...: the glob sorts
 echo "$(cat "$here/kit.tar.zst.sha256")  $stash/kit.tar.zst" | sha256sum -c --quiet
 rm -f "$stash"/part*
 rm -rf "$site" && mkdir -p "$site"
-if command -v zstd >/dev/null; then
+if [ -z "${GPUKIT_PY_ZSTD:-}" ] && command -v zstd >/dev/null; then  # GPUKIT_PY_ZSTD=1: the wheel path
     zstd -q -d --long=31 -c "$stash/kit.tar.zst" | tar -x -C "$site"
 else
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$stash/boot" "$here"/zstandard-*.whl
