@@ -14,6 +14,9 @@ from packaging.version import Version
 # hidden]), read in each release's ExampleHiddenStatesConnector.extract_from_kv_cache
 # (kv_cache.shape[1] in 0.26.0 - 0.28.0, kv_cache.shape[2] in 0.29.0 - 0.33.0).
 HIDDEN_STATES_BLOCK_AXIS_2_FROM = Version("0.29.0")
+# The same release made Model Runner V2 run extract_hidden_states on CUDA by default (0.26 -
+# 0.28 list the method among MRV2's unsupported features and use the V1 runner).
+CUDA_RUNNER_V2_FROM = Version("0.29.0")
 
 
 def release(version: str) -> Version:
@@ -24,6 +27,11 @@ def release(version: str) -> Version:
 def hidden_states_block_axis(version: str) -> int:
     """Axis of the block offset in the hidden-states cache view of this vLLM release."""
     return 2 if release(version) >= HIDDEN_STATES_BLOCK_AXIS_2_FROM else 1
+
+
+def cuda_default_runner(version: str) -> str:
+    """'v2' or 'v1': the model runner vLLM picks on CUDA for hsx's engine settings."""
+    return "v2" if release(version) >= CUDA_RUNNER_V2_FROM else "v1"
 
 
 def model_runner_name(caller_module: str) -> str:

@@ -82,6 +82,7 @@ def test_slots_are_cut_to_the_prompt_and_too_few_blocks_are_an_error():
 def test_versions_and_runner_names():
     axis = vllm_compat.hidden_states_block_axis
     assert [axis(v) for v in ("0.26.0", "0.28.0", "0.29.0", "0.32.0", "0.33.0", "0.33.0rc1.dev5+g1")] == [1, 1, 2, 2, 2, 2]
+    assert [vllm_compat.cuda_default_runner(v) for v in ("0.26.0", "0.28.0", "0.29.0", "0.33.0")] == ["v1", "v1", "v2", "v2"]
     assert vllm_compat.model_runner_name("vllm.v1.worker.gpu.kv_connector") == "Model Runner V2"
     assert vllm_compat.model_runner_name("vllm.v1.worker.gpu_model_runner") == "V1 model runner"
 

@@ -15,7 +15,14 @@ step=${1:?usage: session.sh prepare|stash|check|extra|bench VERSION [PART]}
 ver=${2:?vLLM version, e.g. 0.33.0}
 kit=.gpukit-$ver
 out=${OUT:-/tmp/out}
-runner=$([ "$(printf '%s\n' "$ver" 0.29.0 | sort -V | head -1)" = 0.29.0 ] && echo v2 || echo v1)
+# The runner check_cuda expects: vLLM's CUDA default for this release (hsx_service.vllm_compat).
+# Diagnosis only: RUNNER=v1 makes vLLM >= 0.29 use its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0),
+# to tell an MRV2 problem from anything else in the same session.
+[ "${RUNNER:-}" = v1 ] && export VLLM_USE_V2_MODEL_RUNNER=0
+expected_runner() {
+    if [ "${RUNNER:-}" = v1 ]; then echo v1; return; fi
+    python3 -c "from hsx_service import vllm_compat; print(vllm_compat.cuda_default_runner('$ver'))"
+}
 
 case $step in
 prepare)
@@ -57,6 +64,7 @@ check)
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
     python3 tests/gpu/kit/load_check.py /tmp/site 2>&1 | tee "$out/load-check-$ver.log"
+    runner=$(expected_runner)
     python3 tests/gpu/check_cuda.py --expect-runner "$runner" --json "$out/check-$ver.json" 2>&1 \
         | tee "$out/check-$ver.log"
     ;;
@@ -74,6 +82,7 @@ extra)
     # Hybrids are refused unless verified; this run is the verification (where this hsx has the flag).
     grep -q allow-unverified-hybrid service/*.py && models+=(--extra-serve-arg=--allow-unverified-hybrid)
     fx=/tmp/gpufix
+    runner=$(expected_runner)
     python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" --stories "$fx/stories260K" \
         --chats "$fx/threads.messages.jsonl" --template "$fx/llama3.jinja" "${models[@]}" \
         --json "$out/check-extra-$ver.json" 2>&1 | tee "$out/check-extra-$ver.log"
