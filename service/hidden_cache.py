@@ -10,9 +10,11 @@ depends on the release (`vllm_compat.hidden_states_block_axis`):
     axis 2: [num_blocks, num_layers, block_size, hidden]   (vLLM >= 0.29, logical
             [B, H, N, C] whatever the physical layout, e.g. "LBNHC")
 
-The view may split a scheduler block into equal kernel blocks (hybrid models, whose
-scheduler block size is bumped): slot numbers are the same in both, so the gather
-divides by the view's own block size, never the scheduler's.
+Slots must be numbered with the hidden-states group's own block size (its KV cache
+spec), which is also the view's: for hybrid models vLLM bumps the global
+`cache_config.block_size` (e.g. 528) while this group keeps a smaller one (e.g. 22),
+and reading with the global one returns unwritten, all-zero slots (vLLM PR #46301).
+`check_view` refuses to start when the two disagree.
 """
 
 from __future__ import annotations
@@ -22,17 +24,15 @@ import torch
 
 def check_view(shape: tuple[int, ...], block_axis: int, num_layers: int, hidden_size: int, block_size: int) -> None:
     """Raise ValueError (one line, with the reason) unless `shape` is the hidden-states view
-    this release writes: the layers and hidden size where expected and a kernel block size
-    that divides the scheduler's block size."""
+    this release writes: the layers, the hidden size and the group's block size where expected."""
     if len(shape) != 4 or block_axis not in (1, 2):
         raise ValueError(f"hsx: hidden-states cache view {tuple(shape)} is not 4-D [blocks, ., ., hidden]")
     layers_axis = 3 - block_axis
-    kernel_block = shape[block_axis]
-    if shape[layers_axis] != num_layers or shape[3] != hidden_size or kernel_block <= 0 or block_size % kernel_block:
+    if shape[layers_axis] != num_layers or shape[3] != hidden_size or shape[block_axis] != block_size:
         raise ValueError(
             f"hsx: hidden-states cache view {tuple(shape)} does not match this vLLM release's layout "
             f"(block offsets on axis {block_axis}, {num_layers} captured layers, hidden {hidden_size}, "
-            f"scheduler block size {block_size}); reading it would return wrong states"
+            f"block size {block_size} of the hidden-states cache group); reading it would return wrong states"
         )
 
 
@@ -48,10 +48,10 @@ def slot_ids(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Te
 def gather(kv_cache: torch.Tensor, slots: torch.Tensor, block_axis: int, layer_index: list[int]) -> torch.Tensor:
     """[T, len(layer_index), hidden] for the given slots and captured-layer positions: one
     indexing kernel, only the requested layers read."""
-    kernel_block = kv_cache.shape[block_axis]
+    block = kv_cache.shape[block_axis]
     slots = slots.to(kv_cache.device, non_blocking=True)
-    blk = (slots // kernel_block)[:, None]
-    off = (slots % kernel_block)[:, None]
+    blk = (slots // block)[:, None]
+    off = (slots % block)[:, None]
     layers = torch.tensor(layer_index, dtype=torch.long).to(kv_cache.device, non_blocking=True)[None, :]
     if block_axis == 2:
         return kv_cache[blk, layers, off]
