@@ -8,6 +8,11 @@ here=$(cd "$(dirname "$0")" && pwd)
 read -r ver nparts < "$here/KIT"
 stash=/tmp/gpukit
 site=${GPUKIT_SITE:-/tmp/site}
+want=$(cat "$here/kit.tar.zst.sha256")
+if [ "$(cat "$site/.kit.sha256" 2>/dev/null)" = "$want" ]; then
+    echo "assemble: vLLM $ver kit already in $site"
+    exit 0
+fi
 mkdir -p "$stash"
 cp -n "$here"/part* "$stash"/ 2>/dev/null || true
 for d in .gpukit-"$ver"/p*; do cp -n "$d"/part* "$stash"/ 2>/dev/null || true; done  # parts still in the tree
@@ -19,7 +24,7 @@ if [ "$have" -ne "$nparts" ]; then
 fi
 t0=$(date +%s)
 cat "$stash"/part* > "$stash/kit.tar.zst"  # part00, part01, ...: the glob sorts them
-echo "$(cat "$here/kit.tar.zst.sha256")  $stash/kit.tar.zst" | sha256sum -c --quiet
+echo "$want  $stash/kit.tar.zst" | sha256sum -c --quiet
 rm -f "$stash"/part*
 rm -rf "$site" && mkdir -p "$site"
 if [ -z "${GPUKIT_PY_ZSTD:-}" ] && command -v zstd >/dev/null; then  # GPUKIT_PY_ZSTD=1: the wheel path
@@ -47,6 +52,7 @@ for d in "$host_sp"/nvidia/*/; do
 done
 echo "assemble: vLLM $ver kit in $site ($(du -sm "$site" | cut -f1) MiB, $(($(date +%s) - t0)) s);" \
      "from the kit: nvidia/$own; the image's, linked: ${linked[*]}"
+echo "$want" > "$site/.kit.sha256"
 PYTHONPATH=$site PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 python3 - <<'EOF'
 import torch, triton, vllm
 x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
