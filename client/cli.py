@@ -73,6 +73,12 @@ def build_extract_parser() -> argparse.ArgumentParser:
     p.add_argument("--shuffle", dest="shuffle", action="store_true", default=None, help="shuffle samples (default)")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep the input order")
     p.add_argument("--max-samples", type=_positive, metavar="N", help="only the first N planned samples (after shuffling)")
+    p.add_argument("--shard", metavar="I/N",
+                   help="extract slice I (0-based) of N of the global plan into DIR, for `hsx merge` (default from "
+                        "JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID, with the count from --num-shards)")
+    p.add_argument("--num-shards", type=_positive, metavar="N",
+                   help="shard count when the index comes from --shard I or the scheduler (env HSX_NUM_SHARDS; "
+                        "Slurm: SLURM_ARRAY_TASK_COUNT)")
     p.add_argument("--concurrency-per-server", type=_positive,
                    default=int(_env("HSX_CONCURRENCY_PER_SERVER", 8)), help="requests in flight per server (default 8)")
     p.add_argument("--compression", choices=["auto", "zstd", "none"], default=_env("HSX_COMPRESSION", "auto"),
@@ -102,6 +108,13 @@ def extract_main(argv: list[str] | None = None) -> int:
         print("hsx extract: give at least one --server URL (or HSX_SERVER)", file=sys.stderr)
         return 2
     from .extract import ExtractConfig, format_summary, run_extract
+    from .shard import ShardError, resolve
+
+    try:
+        shard = resolve(args.shard, args.num_shards, os.environ)
+    except ShardError as exc:
+        print(f"hsx extract: {exc}", file=sys.stderr)
+        return 2
 
     cfg = ExtractConfig(
         servers=servers,
@@ -128,6 +141,7 @@ def extract_main(argv: list[str] | None = None) -> int:
         force_disk=args.force_disk,
         quiet=args.quiet,
         handle_signals=True,
+        shard=shard,
     )
     try:
         result = run_extract(cfg)

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from . import shard as sharding
 from . import store
 from .errors import (
     AuthenticationError,
@@ -141,6 +142,7 @@ class ExtractConfig:
     quiet: bool = False
     write_workers: int | None = None
     handle_signals: bool = False
+    shard: sharding.ShardSpec | None = None  # --shard I/N: take slice I of the global plan
 
 
 @dataclass
@@ -295,7 +297,7 @@ class Extractor:
             return ExtractResult(EXIT_REFUSED, "refused", {"message": str(exc)})
         try:
             return await self._run_locked()
-        except (ConfigError, store.StoreError) as exc:
+        except (ConfigError, store.StoreError, sharding.ShardError) as exc:
             return ExtractResult(EXIT_REFUSED, "refused", {"message": str(exc)})
         except AuthenticationError as exc:
             return ExtractResult(EXIT_REFUSED, "refused", {"message": f"authentication failed: {exc}"})
@@ -371,6 +373,8 @@ class Extractor:
                     random.Random(settings["seed"]).shuffle(keys)
                 if settings["max_samples"] is not None:
                     keys = keys[: settings["max_samples"]]
+                keys, shard_section = sharding.take(keys, cfg.shard, settings=settings, inputs_sha256=fingerprint,
+                                                    model=info.get("model"), model_revision=info.get("model_revision"))
                 plan = {
                     "version": PLAN_VERSION,
                     "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -383,6 +387,8 @@ class Extractor:
                     "model_revision": info.get("model_revision"),
                     "keys": keys,
                 }
+                if shard_section:
+                    plan["shard"] = shard_section
                 store.write_json_atomic(out / store.PLAN_NAME, plan)
             else:
                 problems = []
@@ -396,6 +402,7 @@ class Extractor:
                         problems.append(f"{k}: the plan has {plan.get(k)!r}, the server has {info.get(k)!r}")
                 if plan["settings"].get("layers") != layers:
                     problems.append(f"layers: the plan has {plan['settings'].get('layers')}, now {layers}")
+                problems += sharding.resume_problems(plan, cfg.shard)
                 if problems:
                     raise ConfigError(f"cannot resume {out}:\n  " + "\n  ".join(problems))
             keys = plan["keys"]
@@ -796,6 +803,7 @@ class Extractor:
             "max_samples": settings["max_samples"],
             "inputs": plan.get("inputs"),
             "inputs_sha256": plan.get("inputs_sha256"),
+            "shard": plan.get("shard"),
             "versions": {
                 "vllm": info.get("vllm_version"),
                 "hsx_server": info.get("hsx_version"),
