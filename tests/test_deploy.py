@@ -289,7 +289,8 @@ def render(directory: Path) -> list[dict]:
         find("Deployment", rep["name"])["spec"]["replicas"] = rep["count"]
     for image in kustomization.get("images", []):
         for d in docs:
-            for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            spec = d.get("spec", {}).get("template", {}).get("spec", {})
+            for c in spec.get("containers", []) + spec.get("initContainers", []):
                 name, _, tag = c["image"].partition(":")
                 if name == image["name"]:
                     c["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
@@ -553,8 +554,8 @@ def test_kubectl_kustomize_agrees_with_the_renderer():
 
 
 def test_shell_scripts():
-    scripts = sorted(K8S.glob("*.sh"))
-    assert {s.name for s in scripts} >= {"servers.sh", "window.sh"}
+    scripts = sorted(K8S.rglob("*.sh")) + sorted((DEPLOY / "slurm").glob("*.s*"))
+    assert {s.name for s in scripts} >= {"servers.sh", "window.sh", "run.sh", "submit.sh", "extract.sbatch", "merge.sbatch"}
     for script in scripts:
         assert os.access(script, os.X_OK), f"{script} is not executable"
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -754,8 +755,8 @@ needs_vllm = pytest.mark.skipif(
 def deployment_args(compose) -> list[str]:
     """MODEL and flags the compose file passes, then every overlay's HSX_ENGINE_ARGS."""
     args = [interpolate(str(a)) for a in compose["services"]["hsx"]["command"]]
-    for k in KUSTOMIZATIONS:
-        data = next(d for d in render(K8S / k) if d["kind"] == "ConfigMap")["data"]
+    for k in (*KUSTOMIZATIONS, "jobs/extract"):
+        data = next(d for d in render(K8S / k) if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "hsx-config")["data"]
         args += shlex.split(data.get("HSX_ENGINE_ARGS", ""))
     return args
 
