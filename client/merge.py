@@ -44,7 +44,6 @@ import errno
 import hashlib
 import json
 import os
-import secrets
 import signal
 import sys
 import time
@@ -147,31 +146,6 @@ def _dst_files(fmt: Any, row: Row) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 # ---------------------------------------------------------------- files
-def _copy_checked(src: Path, dst: Path, meta: dict[str, Any]) -> None:
-    tmp = dst.with_name(f".{dst.name}{store.TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
-    h = hashlib.new(store.HASH_ALGO)
-    buf = bytearray(8 << 20)
-    view = memoryview(buf)
-    try:
-        with open(src, "rb", buffering=0) as fi, open(tmp, "xb", buffering=0) as fo:
-            while n := fi.readinto(buf):
-                h.update(view[:n])
-                chunk = view[:n]
-                while chunk:
-                    chunk = chunk[fo.write(chunk):]
-            os.fsync(fo.fileno())
-        if store.HASH_ALGO in meta and h.hexdigest() != meta[store.HASH_ALGO]:
-            raise MergeError(f"{src}: {store.HASH_ALGO} differs from its shard's manifest (the file is corrupted): "
-                             "run `hsx verify` on the shard and rerun its hsx extract")
-        os.replace(tmp, dst)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-
-
 class Placer:
     """Puts a shard's file at its new name: a hard link, else a checksummed copy."""
 
@@ -205,7 +179,10 @@ class Placer:
                 if exc.errno not in _NO_LINK:
                     raise
                 self._no_link.add(st.st_dev)
-        _copy_checked(src, dst, meta)
+        try:
+            store.copy_file_atomic(src, dst, expected=meta.get(store.HASH_ALGO))
+        except store.ChecksumError as exc:
+            raise MergeError(f"{exc}: run `hsx verify` on the shard and rerun its hsx extract") from None
         self.copies += 1
 
 

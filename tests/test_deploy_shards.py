@@ -36,16 +36,18 @@ from test_deploy import (  # noqa: F401  (fixtures are used by name)
     ROOT,
     SECRET_ENV,
     base_image,
+    container_env,
     dockerfile,
     effective_settings,
     engine_gpus,
     env_names,
+    fake_commands,
+    kubectl_and_ours,
     one,
     public_paths,
     quantity_bytes,
     render,
     settings_cls,
-    tool,
     vllm_version_of,
 )
 
@@ -66,16 +68,6 @@ def the_kind(docs: list[dict], kind: str) -> dict:
 
 def configmaps(docs: list[dict]) -> dict[str, dict[str, str]]:
     return {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
-
-
-def container_env(container: dict, maps: dict[str, dict[str, str]]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for source in container.get("envFrom", []):
-        env.update(maps[source["configMapRef"]["name"]])
-    for var in container.get("env", []):
-        if "value" in var:
-            env[var["name"]] = var["value"]
-    return env
 
 
 def expand(arg: str, env: dict[str, str]) -> str:
@@ -136,17 +128,8 @@ def test_job_manifests_pass_the_kubernetes_schema():
 
 
 def test_kubectl_kustomize_agrees_for_the_jobs():
-    kubectl = tool("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl not on PATH (the in-test renderer covers the checks)")
-    import yaml
-
     for name in JOB_DIRS:
-        result = subprocess.run([kubectl, "kustomize", str(JOBS / name)], capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, result.stderr
-        theirs = {(d["kind"], re.sub(r"-[a-z0-9]{10}$", "", d["metadata"]["name"])): d for d in yaml.safe_load_all(result.stdout)}
-        ours = {(d["kind"], d["metadata"]["name"]): d for d in docs_of(name)}
-        assert theirs.keys() == ours.keys(), name
+        theirs, ours = kubectl_and_ours(JOBS / name)
         for key, d in ours.items():
             if key[0] == "ConfigMap":
                 assert theirs[key]["data"] == d["data"]
@@ -295,16 +278,11 @@ esac
 
 @pytest.fixture
 def kubectl_env(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "kubectl").write_text(FAKE_KUBECTL)
-    (bin_dir / "kubectl").chmod(0o755)
     states = tmp_path / "states"
     states.mkdir()
     log = tmp_path / "kubectl.log"
     log.touch()
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "KUBECTL_LOG": str(log),
-           "STATES": str(states)}
+    env = {**fake_commands(tmp_path, {"kubectl": FAKE_KUBECTL}), "KUBECTL_LOG": str(log), "STATES": str(states)}
     return env, log, states
 
 
@@ -363,14 +341,10 @@ echo $((n + 1)) > "$CURL_COUNT"
 
 @pytest.fixture
 def slurm_env(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("sbatch", FAKE_SBATCH), ("hsx", FAKE_HSX), ("curl", FAKE_CURL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSX_", "SLURM_"))}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SBATCH_LOG=str(tmp_path / "sbatch.log"),
-               HSX_LOG=str(tmp_path / "hsx.log"), CURL_COUNT=str(tmp_path / "curl.count"), HSX_READY_POLL="0")
+    env = fake_commands(tmp_path, {"sbatch": FAKE_SBATCH, "hsx": FAKE_HSX, "curl": FAKE_CURL})
+    env = {k: v for k, v in env.items() if not k.startswith(("HSX_", "SLURM_"))}
+    env.update(SBATCH_LOG=str(tmp_path / "sbatch.log"), HSX_LOG=str(tmp_path / "hsx.log"),
+               CURL_COUNT=str(tmp_path / "curl.count"), HSX_READY_POLL="0")
     return env
 
 
