@@ -9,7 +9,7 @@ Scheduling: each request goes to the least-loaded healthy server (fewest request
 flight; ties go to the one picked least recently), and at most `concurrency_per_server`
 requests are in flight per server; callers beyond that wait their turn.
 
-Retries (a plain loop, see `_with_retries`): 429/503 (with `Retry-After`), timeouts,
+Retries (a plain loop, see `hsx_client.servers.ServerSet.with_retries`): 429/503 (with `Retry-After`), timeouts,
 connection errors, other 5xx and malformed bodies are retried up to `max_attempts`
 attempts in all, 5xx at most `max_server_errors` times (an input that crashes the engine
 should not be replayed on every server). The delay is full-jitter exponential backoff,
@@ -31,67 +31,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
-import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any
 
 import httpx
 
+from hsx import __version__ as hsx_version
+from hsx import wire
 from hsx_client import shm
 from hsx_client.fast_http import FastTransport
-
-from hsx import wire
+from hsx_client.servers import ServerSet, ServerState
+from hsx_client.settings import DEFAULTS
 
 from .errors import (
     ConnectionFailedError,
     HsxError,
     LeaseExpiredError,
     RequestTimeoutError,
-    RetriesExhaustedError,
-    ServerBusyError,
     ServerError,
     error_from_response,
 )
-
-T = TypeVar("T")
-
-_RETRY_AFTER_CAP = 300.0
-
-
-@dataclass
-class ServerState:
-    url: str
-    capacity: int
-    in_flight: int = 0
-    ok: int = 0
-    retries: int = 0
-    errors: int = 0
-    healthy: bool = True
-    unhealthy_until: float = 0.0
-    busy_until: float = 0.0
-    probing: bool = False
-    last_pick: int = 0
-    wire_bytes: int = 0
-    body_bytes: int = 0
-    last_error: str | None = None
-    arena: shm.ArenaMap | None = None  # same-host lease mapping, once attached
-    arena_note: str | None = None  # why leases are not used with this server
-    arena_lock: asyncio.Lock | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "in_flight": self.in_flight,
-            "ok": self.ok,
-            "retries": self.retries,
-            "errors": self.errors,
-            "healthy": self.healthy,
-            "wire_bytes": self.wire_bytes,
-            "body_bytes": self.body_bytes,
-            "last_error": self.last_error,
-            "transfer": "shm-lease" if self.arena is not None else "http",
-        }
 
 
 @dataclass
@@ -120,48 +80,21 @@ class RawResponse:
         return wire.decode(self.body, self.lease.states if self.lease else None)
 
 
-@dataclass
-class _FallbackFinalNorm:  # used only when hsx_client.postnorm is not installed
-    weight: Any
-    eps: float
-    style: str
-
-
 def _zstd_decompress(data: bytes | bytearray) -> bytes:
     import zstandard
 
     return zstandard.ZstdDecompressor().decompressobj(read_across_frames=True).decompress(data)
 
 
-def _check_body(body: bytes) -> None:
-    """Cheap structural check (header parses, sizes add up) without decoding tensors."""
-    header, start = wire.parse_header(body)
-    expected = max(
-        (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
-    )
-    if len(body) - start != expected:
-        raise wire.WireFormatError(
-            f"body holds {len(body) - start} data bytes, the header describes {expected} (truncated?)"
-        )
-
-
 def _finish_body(raw: bytes, encoding: str) -> bytes:
     body = _zstd_decompress(raw) if encoding == "zstd" else raw
-    _check_body(body)
+    wire.check_body(body)
     return body
 
 
 def _is_local(url: str) -> bool:
     host = (httpx.URL(url).host or "").lower()
     return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
-
-
-def _zstd_available() -> bool:
-    try:
-        import zstandard  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class HsxClient:
@@ -171,18 +104,18 @@ class HsxClient:
         self,
         servers: list[str] | str,
         *,
-        api_key: str | None = None,
-        concurrency_per_server: int = 8,
-        timeout: float = 600.0,
-        max_attempts: int = 10,
+        api_key: str | None = DEFAULTS.api_key,
+        concurrency_per_server: int = DEFAULTS.concurrency_per_server,
+        timeout: float = DEFAULTS.timeout,
+        max_attempts: int = DEFAULTS.max_attempts,
         backoff_base: float = 0.5,
         backoff_max: float = 30.0,
-        unhealthy_cooldown: float = 10.0,
+        unhealthy_cooldown: float = DEFAULTS.unhealthy_cooldown,
         max_server_errors: int = 3,
         probe_timeout: float = 5.0,
         transport: httpx.AsyncBaseTransport | None = None,
-        compression: str = "auto",
-        transfer: str = "auto",
+        compression: str = DEFAULTS.compression,
+        transfer: str = DEFAULTS.transfer,
     ) -> None:
         if compression not in ("auto", "zstd", "none"):
             raise ValueError(f"compression must be auto, zstd or none, not {compression!r}")
@@ -197,32 +130,27 @@ class HsxClient:
             raise ValueError(f"duplicate server URLs in {urls}")
         if concurrency_per_server < 1 or max_attempts < 1:
             raise ValueError("concurrency_per_server and max_attempts must be >= 1")
-        self._servers = [ServerState(u, concurrency_per_server) for u in urls]
-        self._by_url = {s.url: s for s in self._servers}
         self.api_key = api_key
         self.timeout = timeout
         self.max_attempts = max_attempts
-        self.backoff_base = backoff_base
-        self.backoff_max = backoff_max
         self.unhealthy_cooldown = unhealthy_cooldown
-        self.max_server_errors = max_server_errors
-        self.probe_timeout = min(probe_timeout, timeout)
+        self._pool = ServerSet(
+            urls, concurrency_per_server, max_attempts=max_attempts, backoff_base=backoff_base,
+            backoff_max=backoff_max, unhealthy_cooldown=unhealthy_cooldown, max_server_errors=max_server_errors,
+            probe_timeout=min(probe_timeout, timeout), http=self._ensure_open,
+        )
+        self._servers = self._pool.servers
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
-        self._changed: asyncio.Event | None = None
-        self._probe_tasks: set[asyncio.Task[None]] = set()
-        self._probe_failures = 0
-        self._picks = 0
         self._closed = False
         self.compression = compression
         self.transfer = transfer
-        self._accept_encoding = "zstd" if _zstd_available() else "identity"
 
     def _encoding_for(self, url: str) -> str:
         """zstd saves ~22% of the bytes but costs ~0.5-1 GB/s per core at each end
         (measured on the H200 host), more than a loopback or same-host link is worth:
         `auto` asks for it only from servers on other hosts."""
-        if self.compression == "none" or self._accept_encoding == "identity":
+        if self.compression == "none":
             return "identity"
         if self.compression == "auto" and _is_local(url):
             return "identity"
@@ -252,23 +180,15 @@ class HsxClient:
                 # (client/fast_http.py): the client is what limits a corpus run.
                 transport=self._transport or FastTransport(max_idle_per_host=n),
             )
-            self._changed = asyncio.Event()
+            self._pool.open()
         return self._http
 
     async def aclose(self) -> None:
         self._closed = True
-        for t in list(self._probe_tasks):
-            t.cancel()
-        if self._probe_tasks:
-            await asyncio.gather(*self._probe_tasks, return_exceptions=True)
+        await self._pool.close()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
-        for s in self._servers:
-            if s.arena is not None:
-                s.arena.close()
-                s.arena = None
-        self._notify()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -281,31 +201,33 @@ class HsxClient:
 
     async def info(self) -> dict[str, Any]:
         """`GET /info` of the least-loaded healthy server."""
-        return await self._with_retries(lambda s, rid: self._get_json(s, "/info", rid), None)
+        return await self._pool.with_retries(lambda s, rid: self._get_json(s, "/info", rid), None)
 
-    async def server_infos(self) -> dict[str, dict[str, Any]]:
-        """`GET /info` of every server (to check that they serve the same model)."""
-        out = {}
-        for s in self._servers:
-            out[s.url] = await self._with_retries(
-                lambda srv, rid: self._get_json(srv, "/info", rid),
-                None,
-                pinned=s,
-            )
-        return out
+    async def server_infos(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+        """`GET /info` of every server at once, one attempt each (to check that they serve
+        the same model). A server that does not answer within `timeout` seconds (down,
+        loading) is left out: the request loop's retries and health probes deal with it."""
+        self._ensure_open()
+
+        async def one(s: ServerState) -> Any:
+            return await asyncio.wait_for(self._get_json(s, "/info", uuid.uuid4().hex), timeout)
+
+        answers = await asyncio.gather(*(one(s) for s in self._servers), return_exceptions=True)
+        for a in answers:
+            if isinstance(a, BaseException) and not isinstance(a, (HsxError, asyncio.TimeoutError)):
+                raise a
+        return {s.url: a for s, a in zip(self._servers, answers) if not isinstance(a, BaseException)}
 
     async def final_norm(self) -> Any:
         """`GET /final_norm` -> `hsx_client.postnorm.FinalNorm(weight, eps, style)`."""
-        body = await self._with_retries(lambda s, rid: self._get_bytes(s, "/final_norm", rid), None)
+        body = await self._pool.with_retries(lambda s, rid: self._get_bytes(s, "/final_norm", rid), None)
         import safetensors.numpy
 
         header, _ = wire.parse_header(body)
         meta = header.get("__metadata__", {}) or {}
+        from hsx_client.postnorm import FinalNorm  # torch: imported when first needed
+
         weight = safetensors.numpy.load(body)["weight"].astype("float32", copy=False)
-        try:
-            from .postnorm import FinalNorm  # written by the formats side
-        except ImportError:  # pragma: no cover - only before postnorm exists
-            FinalNorm = _FallbackFinalNorm  # type: ignore[misc,assignment]
         return FinalNorm(weight=weight, eps=float(meta.get("eps", "1e-6")), style=meta.get("style", "rms"))
 
     async def hidden_states_response(
@@ -324,7 +246,7 @@ class HsxClient:
             arena = await self._arena_for(server, rid) if lease_ok and self.transfer == "auto" else None
             return await self._post_hidden_states(server, payload, rid, arena)
 
-        return await self._with_retries(attempt, rid0)
+        return await self._pool.with_retries(attempt, rid0)
 
     async def release_lease(self, lease: Lease) -> None:
         """Give a lease's range back. Raises LeaseExpiredError when it had expired (or the
@@ -355,159 +277,6 @@ class HsxClient:
         """`POST /hidden_states` with the given request fields -> `hsx.wire.Decoded`."""
         raw = await self.hidden_states_response(fields, request_id=request_id)
         return await asyncio.to_thread(raw.decode)
-
-    # ------------------------------------------------------------------ scheduling
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = asyncio.Event()
-
-    async def _wait_change(self, timeout: float | None) -> None:
-        ev = self._changed
-        assert ev is not None
-        try:
-            await asyncio.wait_for(ev.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-
-    def _start_due_probes(self, now: float) -> None:
-        for s in self._servers:
-            if not s.healthy and not s.probing and s.unhealthy_until <= now:
-                s.probing = True
-                task = asyncio.get_running_loop().create_task(self._probe(s))
-                self._probe_tasks.add(task)
-                task.add_done_callback(self._probe_tasks.discard)
-
-    async def _probe(self, s: ServerState) -> None:
-        ok = False
-        try:
-            r = await self._ensure_open().get(s.url + "/health", timeout=self.probe_timeout)
-            ok = r.status_code == 200
-            if not ok:
-                s.last_error = f"/health answered {r.status_code}"
-        except httpx.HTTPError as exc:
-            s.last_error = f"/health: {type(exc).__name__}: {exc}"
-        except RuntimeError:  # closed meanwhile
-            pass
-        finally:
-            s.probing = False
-            if ok:
-                s.healthy = True
-            else:
-                s.unhealthy_until = time.monotonic() + self.unhealthy_cooldown
-                self._probe_failures += 1
-            self._notify()
-
-    async def _acquire(self, pinned: ServerState | None = None) -> ServerState:
-        self._ensure_open()
-        failures_at_start = self._probe_failures
-        while True:
-            if self._closed:
-                raise RuntimeError("HsxClient is closed")
-            now = time.monotonic()
-            self._start_due_probes(now)
-            pool = [pinned] if pinned is not None else self._servers
-            healthy = [s for s in pool if s.healthy]
-            free = [s for s in healthy if s.in_flight < s.capacity]
-            if free:
-                best = min(free, key=lambda s: (s.busy_until > now, s.in_flight, s.last_pick))
-                best.in_flight += 1
-                self._picks += 1
-                best.last_pick = self._picks
-                return best
-            if healthy:
-                due = [s.unhealthy_until - now for s in self._servers if not s.healthy and not s.probing]
-                await self._wait_change(max(0.01, min(due)) if due else None)
-                continue
-            # Nothing healthy: wait for a probe; a failed one costs this request an attempt.
-            if self._probe_failures > failures_at_start:
-                last = "; ".join(f"{s.url}: {s.last_error}" for s in pool)
-                raise ConnectionFailedError(
-                    f"no healthy server ({last})", type="no_healthy_server", server=pool[0].url if pinned else None
-                )
-            due = [s.unhealthy_until - now for s in pool if not s.probing]
-            await self._wait_change(max(0.01, min(due)) if due else None)
-
-    def _release(self, s: ServerState, error: HsxError | None) -> None:
-        s.in_flight -= 1
-        if error is None:
-            s.ok += 1
-        else:
-            s.errors += 1
-            s.last_error = str(error)
-            if isinstance(error, ServerBusyError):
-                s.busy_until = time.monotonic() + (error.retry_after or self.backoff_base)
-            elif isinstance(error, (ConnectionFailedError, ServerError)):
-                s.healthy = False
-                s.unhealthy_until = time.monotonic() + self.unhealthy_cooldown
-        self._notify()
-
-    def _backoff(self, attempt: int, error: HsxError, failed: ServerState | None) -> float:
-        now = time.monotonic()
-        others = [
-            s
-            for s in self._servers
-            if s is not failed and s.healthy and s.busy_until <= now and s.in_flight < s.capacity
-        ]
-        if others and failed is not None:
-            return 0.0  # fail over at once
-        delay = random.uniform(0.0, min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)))
-        ra = getattr(error, "retry_after", None)
-        if ra:
-            delay = max(delay, min(ra, _RETRY_AFTER_CAP))
-        return delay
-
-    async def _with_retries(
-        self,
-        fn: Callable[[ServerState, str], Awaitable[T]],
-        request_id: str | None,
-        *,
-        pinned: ServerState | None = None,
-    ) -> T:
-        rid = request_id or uuid.uuid4().hex
-        last: HsxError | None = None
-        server_errors = 0
-        attempt = 0
-        while attempt < self.max_attempts:
-            attempt += 1
-            failed: ServerState | None = None
-            try:
-                server = await self._acquire(pinned)
-            except ConnectionFailedError as exc:
-                exc.request_id = exc.request_id or rid
-                last = exc
-            else:
-                try:
-                    result = await fn(server, rid)
-                except HsxError as exc:
-                    self._release(server, exc)
-                    if not exc.retryable:
-                        raise
-                    last = exc
-                    failed = server
-                except BaseException:  # cancelled, or a bug: give the slot back
-                    server.in_flight -= 1
-                    self._notify()
-                    raise
-                else:
-                    self._release(server, None)
-                    if isinstance(result, RawResponse):
-                        result.attempts = attempt
-                    return result
-            assert last is not None
-            if isinstance(last, ServerError):
-                server_errors += 1
-                if server_errors >= self.max_server_errors:
-                    break
-            if attempt >= self.max_attempts:
-                break
-            if failed is not None:
-                failed.retries += 1
-            await asyncio.sleep(self._backoff(attempt, last, failed))
-        assert last is not None
-        raise RetriesExhaustedError(
-            f"gave up after {attempt} attempt(s): {last}", last_error=last, attempts=attempt
-        )
 
     # ------------------------------------------------------------------ HTTP
     def _wrap_transport_error(self, exc: Exception, server: ServerState, rid: str) -> HsxError:
@@ -575,7 +344,7 @@ class HsxClient:
             if ctype == wire.LEASE_MEDIA_TYPE:
                 if arena is None:
                     raise wire.WireFormatError("a lease came back though none was asked for")
-                _check_body(raw)
+                wire.check_body(raw)
                 body, desc = raw, wire.lease_of(raw)
                 lease = Lease(desc["id"], server.url, memoryview(b""))
                 if desc["arena_id"] != arena.arena_id:  # restarted since we attached
@@ -622,8 +391,4 @@ class HsxClient:
 
 
 def _user_agent() -> str:
-    try:
-        from hsx import __version__
-    except ImportError:  # pragma: no cover
-        __version__ = "?"
-    return f"hsx-client/{__version__} httpx/{httpx.__version__}"
+    return f"hsx-client/{hsx_version} httpx/{httpx.__version__}"

@@ -1,8 +1,8 @@
 """`hsx extract` and `hsx verify` command lines (argparse; `hsx` dispatches here).
 
-Environment variables give defaults for the connection flags: HSX_SERVER (comma-separated
-URLs), HSX_API_KEY, HSX_CONCURRENCY_PER_SERVER, HSX_TIMEOUT, HSX_MAX_ATTEMPTS. A flag on the
-command line wins.
+Environment variables give defaults for the connection flags (hsx_client.settings):
+HSX_SERVER (comma-separated URLs), HSX_API_KEY, HSX_CONCURRENCY_PER_SERVER, HSX_TIMEOUT,
+HSX_MAX_ATTEMPTS, HSX_COMPRESSION, HSX_TRANSFER. A flag on the command line wins.
 
 Corpus settings left out take the saved plan's value when DIR already holds a run, else the
 defaults shown in --help; a value that differs from the plan's is refused.
@@ -15,7 +15,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+
+from pydantic import ValidationError
+
+from .settings import DEFAULTS, ClientSettings
 
 EXTRACT_EPILOG = """\
 exit codes: 0 corpus complete; 1 stopped on an error (rerun the same command to resume);
@@ -27,11 +30,6 @@ whose files are missing or of the wrong size are redone; after `hsx verify DIR` 
 samples (listed in DIR/verify.json), the next run redoes exactly those; `--verify` re-checks
 every stored sample's checksum before resuming.
 """
-
-
-def _env(name: str, default: Any = None) -> Any:
-    v = os.environ.get(name)
-    return v if v not in (None, "") else default
 
 
 def _layers(s: str) -> list[int]:
@@ -48,7 +46,9 @@ def _positive(s: str) -> int:
     return v
 
 
-def build_extract_parser() -> argparse.ArgumentParser:
+def build_extract_parser(env: ClientSettings | None = None) -> argparse.ArgumentParser:
+    """`env`: the defaults of the connection flags (ClientSettings() reads HSX_*)."""
+    env = env or DEFAULTS
     p = argparse.ArgumentParser(
         prog="hsx extract",
         description="Fan a dataset out over hsx servers and write an EAGLE-3 training corpus.",
@@ -79,19 +79,20 @@ def build_extract_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shards", type=_positive, metavar="N",
                    help="shard count when the index comes from --shard I or the scheduler (env HSX_NUM_SHARDS; "
                         "Slurm: SLURM_ARRAY_TASK_COUNT)")
-    p.add_argument("--concurrency-per-server", type=_positive,
-                   default=int(_env("HSX_CONCURRENCY_PER_SERVER", 8)), help="requests in flight per server (default 8)")
-    p.add_argument("--compression", choices=["auto", "zstd", "none"], default=_env("HSX_COMPRESSION", "auto"),
+    p.add_argument("--concurrency-per-server", type=_positive, default=env.concurrency_per_server,
+                   help=f"requests in flight per server (default {DEFAULTS.concurrency_per_server})")
+    p.add_argument("--compression", choices=["auto", "zstd", "none"], default=env.compression,
                    help="ask servers for zstd responses: auto = only servers on other hosts, where the "
                         "bytes saved (~22%%) are worth the CPU (default auto; env HSX_COMPRESSION)")
-    p.add_argument("--transfer", choices=["auto", "http"], default=_env("HSX_TRANSFER", "auto"),
+    p.add_argument("--transfer", choices=["auto", "http"], default=env.transfer,
                    help="auto: a server on this host hands over the states in shared memory (a lease) "
                         "instead of an HTTP body, when it offers that and this process may map it; "
                         "http: always bodies (default auto; env HSX_TRANSFER)")
-    p.add_argument("--api-key", default=_env("HSX_API_KEY"), help="bearer token (env HSX_API_KEY)")
-    p.add_argument("--timeout", type=float, default=float(_env("HSX_TIMEOUT", 600.0)), help="seconds per request (default 600)")
-    p.add_argument("--max-attempts", type=_positive, default=int(_env("HSX_MAX_ATTEMPTS", 10)),
-                   help="attempts per request before giving up (default 10)")
+    p.add_argument("--api-key", default=env.api_key, help="bearer token (env HSX_API_KEY)")
+    p.add_argument("--timeout", type=float, default=env.timeout,
+                   help=f"seconds per request (default {DEFAULTS.timeout:.0f})")
+    p.add_argument("--max-attempts", type=_positive, default=env.max_attempts,
+                   help=f"attempts per request before giving up (default {DEFAULTS.max_attempts})")
     p.add_argument("--resume", action="store_true", help="require DIR to hold a run, and continue it")
     p.add_argument("--verify", action="store_true", help="before resuming, re-check every stored sample's checksum")
     p.add_argument("--retry-failed", action="store_true", help="retry samples that failed with a 4xx or encode error")
@@ -101,9 +102,21 @@ def build_extract_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _env_settings() -> ClientSettings:
+    """ClientSettings() with a bad HSX_* value turned into a one-line usage error."""
+    try:
+        return ClientSettings()
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = "HSX_" + str(err["loc"][0]).upper() if err.get("loc") else "HSX_*"
+        print(f"hsx extract: {name}={err.get('input')!r}: {err['msg']}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def extract_main(argv: list[str] | None = None) -> int:
-    args = build_extract_parser().parse_args(argv)
-    servers = args.servers or [s for s in str(_env("HSX_SERVER", "")).split(",") if s.strip()]
+    env = _env_settings()
+    args = build_extract_parser(env).parse_args(argv)
+    servers = args.servers or env.server
     if not servers:
         print("hsx extract: give at least one --server URL (or HSX_SERVER)", file=sys.stderr)
         return 2
@@ -176,8 +189,9 @@ def build_verify_parser() -> argparse.ArgumentParser:
 
 def verify_main(argv: list[str] | None = None) -> int:
     args = build_verify_parser().parse_args(argv)
-    from .extract import ConfigError, verify_corpus
+    from .plan import ConfigError
     from .store import StoreError
+    from .verify import verify_corpus
 
     try:
         report = verify_corpus(args.dir, quiet=args.quiet, workers=args.workers)

@@ -58,16 +58,6 @@ class HsxError(Exception):
         s = f"{head}: {self.message}" if head else self.message
         return f"{s} ({', '.join(tail)})" if tail else s
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "error": type(self).__name__,
-            "status": self.status,
-            "type": self.type,
-            "message": self.message,
-            "request_id": self.request_id,
-            "server": self.server,
-        }
-
 
 class BadRequestError(HsxError):
     """400/422: the request is invalid (bad JSON, unknown layer, over max_model_len...)."""

@@ -53,10 +53,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from hsx import __version__ as hsx_version
+
 from . import store
-from .extract import PLAN_VERSION, _client_version, _files_digest, _renumber
 from .formats import CorpusContext, get_format
 from .merge_check import PER_SHARD_CORPUS_FIELDS, MergeRefused, Shard, load_all
+from .plan import PLAN_VERSION
+from .provenance import files_digest
+from .verify import renumbered_path
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
 FAULT_ENV = "HSX_FAULT_MERGE"
@@ -138,10 +142,10 @@ def _dst_files(fmt: Any, row: Row) -> list[tuple[str, str, dict[str, Any]]]:
     out = []
     now = row.shard.moves.get(row.source, row.source)  # the shard's finalize may have renumbered it
     for rel, meta in row.entry.get("files", {}).items():
-        if _renumber(fmt, rel, row.source, row.source + 1) == rel:
+        if renumbered_path(fmt, rel, row.source, row.source + 1) == rel:
             raise MergeRefused([f"{row.shard.name}: sample {row.source} has a file {rel} that is not a per-sample "
                                 f"path of the {fmt.name} format; it cannot be renumbered"])
-        out.append((_renumber(fmt, rel, row.source, now), _renumber(fmt, rel, row.source, row.index), meta))
+        out.append((renumbered_path(fmt, rel, row.source, now), renumbered_path(fmt, rel, row.source, row.index), meta))
     return out
 
 
@@ -345,7 +349,7 @@ class Merger:
         corpus.update(
             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             inputs=c0.get("inputs"),
-            versions={k: v[0] if len(v) == 1 else v for k, v in versions.items()} | {"hsx_merge": _client_version()},
+            versions={k: v[0] if len(v) == 1 else v for k, v in versions.items()} | {"hsx_merge": hsx_version},
             merge=merge,
             counts={
                 "planned": len(done), "done": len(done), "failed": 0,
@@ -356,7 +360,7 @@ class Merger:
                 "global_failed": sum(len(sh.failed) for sh in shards),
             },
             failed_indices=[],
-            finalize_files=_files_digest(self.out, written),
+            finalize_files=files_digest(self.out, written),
         )
         return corpus
 

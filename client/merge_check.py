@@ -13,17 +13,17 @@ key list (its hash is in every shard's plan): each planned sample is in exactly 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import shard as sharding
+from . import plan as planning
 from . import store
-from .extract import ConfigError, _compaction_moves, load_failed, load_plan
 from .formats import FORMAT_FILE
+from .plan import ConfigError, failed_for_good, load_plan
+from .verify import compaction_moves
 
 # hsx_corpus.json fields that describe one shard's run rather than the corpus settings.
 PER_SHARD_CORPUS_FIELDS = frozenset(
@@ -71,7 +71,7 @@ class Shard:
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return store.hash_file(path)[1]
 
 
 def _short(v: Any) -> str:
@@ -112,7 +112,7 @@ def load_shard(path: Path) -> tuple[Shard | None, list[str]]:
     n = len(keys)
     entries, _, _ = store.read_jsonl(path / store.MANIFEST_NAME)
     done = store.latest_by_index(entries)
-    failed = {i: e for i, e in load_failed(path).items() if i not in done and i < n}
+    failed = failed_for_good(path, n, done)
     counts = corpus.get("counts", {})
     problems = []
     if len(done) + len(failed) != n or counts.get("done") != len(done) or counts.get("planned") != n:
@@ -127,7 +127,7 @@ def load_shard(path: Path) -> tuple[Shard | None, list[str]]:
         return None, problems
     return Shard(
         path=path, plan=plan, corpus=corpus, format_doc=format_doc, done=done, failed=failed,
-        moves=_compaction_moves(path), plan_sha256=_sha256(path / store.PLAN_NAME),
+        moves=compaction_moves(path), plan_sha256=_sha256(path / store.PLAN_NAME),
         corpus_sha256=_sha256(corpus_path),
     ), []
 
@@ -179,17 +179,17 @@ def check_together(shards: list[Shard]) -> list[str]:
     pos = 0
     for sh in shards:
         sec = sh.section
-        if (sec["start"], sec["stop"]) != sharding.bounds(sharding.ShardSpec(sh.index, n_shards), n) \
+        if (sec["start"], sec["stop"]) != planning.shard_bounds(planning.ShardSpec(sh.index, n_shards), n) \
                 or sec["start"] != pos or len(sh.plan["keys"]) != sec["stop"] - sec["start"]:
             problems.append(f"{sh.name} holds samples {sec['start']}..{sec['stop']} ({len(sh.plan['keys'])} keys), "
                             f"not its slice of the {n}-sample global plan")
         pos = sec["stop"]
     keys = [k for sh in shards for k in sh.plan["keys"]]
     sec0, plan0 = shards[0].section, shards[0].plan
-    if sharding.keys_digest(keys) != sec0["global_keys_sha256"] or len(keys) != n:
+    if planning.keys_digest(keys) != sec0["global_keys_sha256"] or len(keys) != n:
         problems.append("the shards' keys laid end to end are not their global plan's keys (a plan.json was edited, "
                         "or comes from another run)")
-    elif sharding.fingerprint(sec0["global_keys_sha256"], n, plan0["settings"], plan0["inputs_sha256"],
+    elif planning.global_fingerprint(sec0["global_keys_sha256"], n, plan0["settings"], plan0["inputs_sha256"],
                               plan0.get("model"), plan0.get("model_revision")) != sec0["global_fingerprint"]:
         problems.append("the shards' global fingerprint does not match their plan's settings (a plan.json was edited)")
     return problems

@@ -45,20 +45,10 @@ class Progress:
         self._last_refresh = 0.0
         self._bar = None
         if not quiet:
-            try:
-                from tqdm import tqdm
+            from tqdm import tqdm
 
-                self._bar = tqdm(
-                    total=total,
-                    initial=initial,
-                    file=self.stream,
-                    unit="sample",
-                    dynamic_ncols=True,
-                    smoothing=0.05,
-                    desc="extract",
-                )
-            except ImportError:  # pragma: no cover - tqdm is a dependency
-                self._bar = None
+            self._bar = tqdm(total=total, initial=initial, file=self.stream, unit="sample", dynamic_ncols=True,
+                             smoothing=0.05, desc="extract")
 
     # ------------------------------------------------------------------ updates
     def sample_done(self, *, tokens: int, wire_bytes: int, written_bytes: int) -> None:

@@ -8,13 +8,17 @@ Layout of an output dir (besides the files the corpus format writes):
     failed.jsonl        one line per sample that failed for good: {key, index, reason, ...}
     verify.json         written by `hsx verify`: the indices found bad (resume redoes them)
     hsx_corpus.json     provenance + counts; written last, so it marks a finished corpus
+    hsx_compaction.json written by a format's finalize when it renumbers samples
 
 Rules that make a kill -9 at any point safe:
 - every file is written to a temporary name in its final directory (`.NAME.hsx-tmp-PID-RAND`),
-  flushed, fsync'ed, `os.replace`d into place, and the directory fsync'ed;
+  flushed, fsync'ed, `os.replace`d into place, and the directory fsync'ed; the corpus
+  formats write their own files (finalize's table, vocab files) the same way, through
+  `write_file_atomic` and `temp_dir`;
 - only then is the manifest line appended and fsync'ed; a sample counts only once its
   line is complete (a torn last line is cut off when the manifest is reopened);
-- temporary files left by a crash are removed when the next writer starts.
+- temporary files and directories (TMP_MARK in the name) left by a crash are removed when
+  the next writer starts.
 Checksums are SHA-256 (with SHA-NI it is the fastest in hashlib here: ~2 GB/s/core,
 blake2b ~1.3 GB/s); they are computed from the bytes in memory while writing.
 """
@@ -31,7 +35,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 TMP_MARK = ".hsx-tmp-"
 LOCK_NAME = ".lock"
@@ -40,6 +44,9 @@ MANIFEST_NAME = "manifest.jsonl"
 FAILED_NAME = "failed.jsonl"
 VERIFY_NAME = "verify.json"
 CORPUS_NAME = "hsx_corpus.json"
+# Written by a format's finalize when it renumbers samples (speculators compacts failed
+# indices away); maps manifest index -> final index. See hsx_client.formats.
+COMPACTION_JOURNAL = "hsx_compaction.json"
 HASH_ALGO = "sha256"
 
 # Names the store owns; a format must not write these.
@@ -172,9 +179,22 @@ def copy_file_atomic(src: Path, dst: Path, *, expected: str | None = None, chunk
     return h.hexdigest()
 
 
+def write_file_atomic(path: Path, data: FileData) -> None:
+    """One file, any name (a format's own files, the store's JSON files)."""
+    path = Path(path)
+    write_files_atomic(path.parent, {path.name: data}, _reserved_ok=True)
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    data = (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
-    write_files_atomic(Path(path).parent, {Path(path).name: data}, _reserved_ok=True)
+    write_file_atomic(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+
+
+def temp_dir(root: Path, what: str) -> Path:
+    """A new scratch directory under `root`, named so that `clean_temp_files` removes it
+    when a crash leaves it behind."""
+    path = Path(root) / f".{what}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    path.mkdir()
+    return path
 
 
 def safe_join(root: Path, rel: str, *, reserved_ok: bool = False) -> Path:
@@ -202,8 +222,13 @@ def hash_file(path: Path, chunk: int = 8 << 20) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and TMP_MARK in name
+
+
 def clean_temp_files(root: Path) -> int:
-    """Remove temporary files a crashed writer left under `root`. Returns how many."""
+    """Remove the temporary files and directories a crashed writer left under `root`.
+    Returns how many."""
     removed = 0
     stack = [Path(root)]
     while stack:
@@ -213,14 +238,18 @@ def clean_temp_files(root: Path) -> int:
         except FileNotFoundError:
             continue
         for e in entries:
-            if e.is_dir(follow_symlinks=False):
+            is_dir = e.is_dir(follow_symlinks=False)
+            if _is_temp(e.name):
+                if is_dir:
+                    shutil.rmtree(e.path, ignore_errors=True)
+                else:
+                    try:
+                        os.unlink(e.path)
+                    except FileNotFoundError:
+                        continue
+                removed += 1
+            elif is_dir:
                 stack.append(Path(e.path))
-            elif TMP_MARK in e.name and e.name.startswith("."):
-                try:
-                    os.unlink(e.path)
-                    removed += 1
-                except FileNotFoundError:
-                    pass
     return removed
 
 
@@ -444,8 +473,3 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} PB"
-
-
-def iter_manifest(root: Path) -> Iterator[dict[str, Any]]:
-    entries, _, _ = read_jsonl(Path(root) / MANIFEST_NAME)
-    return iter(entries)

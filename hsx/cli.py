@@ -1,6 +1,6 @@
 """The `hsx` command: one entry point, each subcommand lives with its side.
 
-`serve` imports vLLM; `extract`, `verify`, `merge` and `bench --client-only` do not, so the
+`serve` and `bench` import vLLM; `extract`, `verify` and `merge` do not, so the
 client installs and runs without it.
 """
 

@@ -10,9 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,29 +26,6 @@ CHATS = [
      ("assistant", "Because the draft predicts from the target model's own features at a few layers.")],
     [("user", "Say hello."), ("assistant", "Hello!"), ("user", "Say goodbye."), ("assistant", "Goodbye!")],
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.stderr.write(log.read_text(errors="replace")[-4000:])
-            raise SystemExit(f"hsx serve exited with {proc.returncode}; log: {log}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"hsx serve not ready after {timeout:.0f}s; log: {log}")
 
 
 def main(argv: list[str]) -> int:
@@ -74,36 +48,33 @@ def main(argv: list[str]) -> int:
         for chat in CHATS:
             f.write(json.dumps({"messages": [{"role": r, "content": c} for r, c in chat]}) + "\n")
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
+    from hsx.server_process import ServerProcess, ServerStartError
+
     log = work / "server.log"
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cmd = [sys.executable, "-m", "hsx.cli", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--layers", "1,2,4,6", "--max-model-len", "1024", "--arena-bytes", str(256 << 20)]
-    print(f"[demo] starting: {' '.join(cmd[2:])}  (log: {log})", flush=True)
-    with log.open("wb") as logf:
-        server = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    args = ["--dtype", "float32", "--layers", "1,2,4,6", "--max-model-len", "1024", "--arena-bytes", str(256 << 20)]
+    server = ServerProcess(str(model), *args, log_path=log, env=env)
+    print(f"[demo] starting: {' '.join(server.cmd[2:])}  (log: {log})", flush=True)
     try:
         t0 = time.monotonic()
-        _wait_ready(url, server, log, a.timeout)
-        print(f"[demo] server ready in {time.monotonic() - t0:.0f}s at {url}", flush=True)
+        try:
+            server.wait_ready(a.timeout)
+        except ServerStartError as exc:
+            raise SystemExit(f"{exc}\nlog: {log}") from None
+        print(f"[demo] server ready in {time.monotonic() - t0:.0f}s at {server.url}", flush=True)
         from hsx_client.cli import extract_main, verify_main
 
         out = work / f"corpus-{a.format}"
-        rc = extract_main(["--server", url, "--input", str(inputs), "--output", str(out), "--format", a.format,
-                           "--draft-vocab-size", "64", "--quiet"])
+        rc = extract_main(["--server", server.url, "--input", str(inputs), "--output", str(out), "--format",
+                           a.format, "--draft-vocab-size", "64", "--quiet"])
         if rc != 0:
             print(f"[demo] hsx extract exited with {rc}", file=sys.stderr)
             return rc
         rc = verify_main([str(out), "--quiet"])
         print(f"[demo] corpus: {out} (verify exit {rc})")
         print(f"[demo] try: curl -s --compressed -H 'Content-Type: application/json' "
-              f"-d '{{\"prompt\": \"Hello\"}}' {url}/hidden_states -o x.safetensors  (while a server runs)")
+              f"-d '{{\"prompt\": \"Hello\"}}' {server.url}/hidden_states -o x.safetensors  (while a server runs)")
         return rc
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        server.stop(60)

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from hsx import dtypes
+
 FORMAT = "hsx-hidden-states/1"
 MEDIA_TYPE = "application/x-safetensors"
 # Same-host transfer (service/lease.py): the same file without the hidden_states bytes;
@@ -37,15 +39,7 @@ def boot_id() -> str:
     except OSError:
         return ""
 
-# safetensors dtype names <-> torch dtype names (the ones a served model can have).
-ST_DTYPES = {
-    "bfloat16": "BF16",
-    "float16": "F16",
-    "float32": "F32",
-    "int64": "I64",
-    "uint8": "U8",
-}
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1}
+
 _HEADER_ALIGN = 8
 
 
@@ -57,7 +51,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = ITEMSIZE[self.dtype]
+        n = dtypes.BY_ST[self.dtype].itemsize
         for d in self.shape:
             n *= d
         return n
@@ -112,7 +106,16 @@ def parse_header(body: bytes | memoryview) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
-_TORCH = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "I64": "int64", "U8": "uint8"}
+def check_body(body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:
+    """Parse the header and check that the body holds exactly the bytes it describes
+    (cheap: no tensor is decoded). Returns what `parse_header` does."""
+    header, start = parse_header(body)
+    expected = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if len(body) - start != expected:
+        raise WireFormatError(
+            f"body holds {len(body) - start} data bytes, the header describes {expected} (truncated?)"
+        )
+    return header, start
 
 
 def lease_of(body: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -137,13 +140,8 @@ def decode(body: bytes | bytearray | memoryview, states: memoryview | None = Non
 
     import torch
 
-    header, start = parse_header(body)
+    header, start = check_body(body)
     entries = {k: v for k, v in header.items() if k != "__metadata__"}
-    expected = max((v["data_offsets"][1] for v in entries.values()), default=0)
-    if len(body) - start != expected:
-        raise WireFormatError(
-            f"body holds {len(body) - start} data bytes, the header describes {expected} (truncated?)"
-        )
     meta = header.get("__metadata__", {})
     if states is not None:
         lease = lease_of(body)
@@ -154,8 +152,8 @@ def decode(body: bytes | bytearray | memoryview, states: memoryview | None = Non
     tensors = {}
     view = memoryview(body).cast("B")
     for name, e in entries.items():
-        dtype = _TORCH.get(e.get("dtype"))
-        if dtype is None:
+        dt = dtypes.BY_ST.get(e.get("dtype"))
+        if dt is None:
             raise WireFormatError(f"tensor {name!r} has unsupported dtype {e.get('dtype')!r}")
         if "external" in e:
             src = memoryview(e["external"]).cast("B")
@@ -167,8 +165,8 @@ def decode(body: bytes | bytearray | memoryview, states: memoryview | None = Non
             raise WireFormatError(f"tensor {name!r}: {hi - lo} bytes for shape {shape}")
         with warnings.catch_warnings():  # read-only bodies are fine: nobody writes into them
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(src[lo:hi], dtype=getattr(torch, dtype)) if hi > lo else \
-                torch.empty(0, dtype=getattr(torch, dtype))
+            tdt = getattr(torch, dt.name)
+            flat = torch.frombuffer(src[lo:hi], dtype=tdt) if hi > lo else torch.empty(0, dtype=tdt)
         tensors[name] = flat.view(shape)
     hs = tensors["hidden_states"]
     ids = tensors["token_ids"].numpy()

@@ -6,4 +6,5 @@ bash scripts/install.sh --test
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec python -m pytest -q -ra "$@"
+# --durations: the slowest tests at the end of every run, so a test that grows slow shows.
+exec python -m pytest -q -ra --durations=25 "$@"

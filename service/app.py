@@ -1,6 +1,6 @@
-"""The FastAPI app: routes, request-id / size / auth middleware, state accessors.
+"""The FastAPI app: routes and the state they read (the server's life is lifecycle.py's).
 
-The engine is built before the app (cli.py validates the settings first, then
+The engine is built before the app (lifecycle.py validates the settings first, then
 the lifespan starts vLLM in the background), so the port answers at once:
 /health is 200 while loading, /ready 503 until the engine serves.
 """
@@ -9,35 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hsx import __version__ as hsx_version
 from hsx.wire import LEASE_MEDIA_TYPE, MEDIA_TYPE, TensorSpec, encode_header
-from hsx_service.errors import (
-    LeaseGone,
-    NotAvailable,
-    NotReady,
-    error_body,
-    install_error_handlers,
-)
-from hsx_service.auth import key_matches
+from hsx_service.admission import AdmissionGate
+from hsx_service.engine import Extractor
+from hsx_service.errors import LeaseGone, NotAvailable, NotReady, install_error_handlers
+from hsx_service.guard import GuardMiddleware
 from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import Metrics
+from hsx_service.norm import FinalNorm
 from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus
 from hsx_service.response import accepts_zstd
+from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 
 log = logging.getLogger("hsx.app")
 
-PUBLIC_PATHS = ("/health", "/ready", "/metrics")
-GUARDED_PATHS = ("/hidden_states", "/info", "/final_norm", "/leases/")  # a trailing / guards the subtree
 ERRORS = {
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     422: {"model": ErrorResponse, "description": "the body does not match the schema"},
@@ -49,125 +44,30 @@ ERRORS = {
 
 @dataclass
 class ServerState:
-    """Everything the routes read, kept on app.state.hsx."""
+    """Everything the routes read, kept on app.state.hsx; lifecycle.py fills it in."""
 
     settings: ServiceSettings
-    extractor: Any  # hsx_service.engine.Extractor
+    extractor: Extractor
     metrics: Metrics = field(default_factory=Metrics)
-    service: Any = None  # HiddenStatesService once the engine is up
-    final_norm: Any = None
+    gate: AdmissionGate = field(init=False)  # made from the settings
+    service: HiddenStatesService | None = None  # set once the engine serves
+    final_norm: FinalNorm | None = None
     final_norm_error: str | None = None
-    loading: bool = True
     startup_error: str | None = None
-    on_engine_dead: Any = None  # callable, set by cli.py: exit non-zero
-    on_startup_failed: Any = None
-    arena_socket: Any = None  # hsx_service.lease.ArenaSocket when same-host leases are on
+    arena_socket: ArenaSocket | None = None  # when same-host leases are on
+
+    def __post_init__(self) -> None:
+        self.gate = AdmissionGate(self.settings.max_inflight, self.settings.max_queued_tokens, self.metrics)
 
 
 def state(request: Request) -> ServerState:
     return request.app.state.hsx
 
 
-class GuardMiddleware:
-    """Request id, API key and body-size checks, as plain ASGI (streams untouched)."""
-
-    def __init__(self, app, settings: ServiceSettings):
-        self.app = app
-        self.keys = [k.encode() for k in settings.api_key]
-        self.max_body = settings.max_body_bytes
-        # Requests past this many at once are refused before their body is read, so a
-        # flood of large bodies cannot grow memory (the service's own bounds come after).
-        self.max_active = settings.max_inflight
-        self.active = 0
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        rid = headers.get("x-request-id") or uuid.uuid4().hex
-        rid = rid[:128]
-        scope.setdefault("state", {})["request_id"] = rid
-        path = scope["path"]
-
-        async def reply(status: int, type_: str, message: str, extra: dict | None = None):
-            resp = JSONResponse(error_body(status, type_, message, rid), status_code=status,
-                                headers={"X-Request-Id": rid, **(extra or {})})
-            await resp(scope, receive, send)
-
-        if self.keys and any(path == p or (p.endswith("/") and path.startswith(p)) for p in GUARDED_PATHS):
-            auth = headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not key_matches(token.strip().encode(), self.keys):
-                return await reply(401, "unauthorized", "missing or invalid API key (Authorization: Bearer KEY)",
-                                   {"WWW-Authenticate": "Bearer"})
-        if path == "/hidden_states" and scope["method"] == "POST":
-            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-            if ctype != "application/json":
-                return await reply(415, "unsupported_media_type",
-                                   f"send the request as Content-Type: application/json (got {ctype or 'none'!r})")
-            length = headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > self.max_body:
-                return await reply(413, "too_large",
-                                   f"request body of {length} bytes exceeds the limit of {self.max_body} bytes")
-            if self.active >= self.max_active:
-                return await reply(503, "overloaded",
-                                   f"{self.active} requests in progress (limit {self.max_active}); retry shortly",
-                                   {"Retry-After": "1"})
-            receive = self._limited(receive)
-            self.active += 1
-            try:
-                return await self.app(scope, receive, self._with_id(send, rid))
-            finally:
-                self.active -= 1
-        await self.app(scope, receive, self._with_id(send, rid))
-
-    @staticmethod
-    def _with_id(send, rid):
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                hdrs = list(message.get("headers", []))
-                if not any(k.lower() == b"x-request-id" for k, _ in hdrs):
-                    hdrs.append((b"x-request-id", rid.encode("latin-1")))
-                message = {**message, "headers": hdrs}
-            await send(message)
-
-        return send_with_id
-
-    def _limited(self, receive):
-        seen = 0
-        limit = self.max_body
-
-        async def wrapped():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    # An HTTPException, since FastAPI turns other errors while reading the body into 400.
-                    raise StarletteHTTPException(413, f"request body exceeds the limit of {limit} bytes")
-            return message
-
-        return wrapped
+Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
-def create_app(st: ServerState) -> FastAPI:
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        task = asyncio.create_task(_start_engine(st), name="hsx-engine-start")
-        watch = asyncio.create_task(_watch_engine(st), name="hsx-engine-watch")
-        try:
-            yield
-        finally:
-            watch.cancel()
-            task.cancel()
-            if st.arena_socket is not None:
-                st.arena_socket.close()
-            if st.service is not None and st.service.leases is not None:
-                st.service.leases.end_all()
-            st.extractor.shutdown()
-
+def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     app = FastAPI(
         title="hsx",
         version=hsx_version,
@@ -175,8 +75,8 @@ def create_app(st: ServerState) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.hsx = st
-    install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, settings=st.settings)
+    install_error_handlers(app, st.metrics)
+    app.add_middleware(GuardMiddleware, settings=st.settings, gate=st.gate, metrics=st.metrics)
 
     probe = {200: {"model": ProbeStatus}, 503: {"model": ProbeStatus, "description": "not live / not ready"}}
 
@@ -190,9 +90,9 @@ def create_app(st: ServerState) -> FastAPI:
     @app.get("/ready", summary="Readiness: 503 while loading or draining", responses=probe)
     async def ready(request: Request):
         s = state(request)
-        if s.service is None or s.loading:
+        if s.service is None:
             return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
-        if s.service.draining:
+        if s.gate.draining:
             return JSONResponse({"status": "draining"}, status_code=503, headers={"Retry-After": "5"})
         if s.extractor.dead:
             return JSONResponse({"status": "dead"}, status_code=503)
@@ -201,10 +101,7 @@ def create_app(st: ServerState) -> FastAPI:
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}})
     async def metrics(request: Request):
-        s = state(request)
-        if s.service is not None:
-            s.service._gauges()
-        return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/info", summary="Model, layers, hidden size, dtype, limits, versions", responses=ERRORS)
     async def info(request: Request):
@@ -273,12 +170,10 @@ def create_app(st: ServerState) -> FastAPI:
         },
     )
     async def hidden_states(body: HiddenStatesRequest, request: Request):
-        s = _serving(request)
-        rid = request.state.request_id
-        lease = s.service.leases is not None and LEASE_MEDIA_TYPE in request.headers.get("accept", "")
-        work = asyncio.ensure_future(
-            s.service.run(body, rid, accepts_zstd(request.headers.get("accept-encoding")), lease)
-        )
+        service = _serving(request).service
+        lease = service.leases is not None and LEASE_MEDIA_TYPE in request.headers.get("accept", "")
+        zstd = accepts_zstd(request.headers.get("accept-encoding"))
+        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, zstd, lease))
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -287,10 +182,11 @@ def create_app(st: ServerState) -> FastAPI:
         if not work.done():
             # The caller left: cancelling aborts the engine request and frees its memory.
             work.cancel()
-            s.metrics.requests.labels("disconnected").inc()
+            service.metrics.requests.labels("disconnected").inc()
             return Response(status_code=499)
-        headers, stream, close = work.result()
-        return _ReleasingStream(stream, close, media_type=headers.pop("Content-Type"), headers=headers)
+        reply = work.result()
+        return _ReleasingStream(reply.stream, reply.close, media_type=reply.headers.pop("Content-Type"),
+                                headers=reply.headers)
 
     @app.delete(
         "/leases/{lease_id}",
@@ -313,8 +209,10 @@ def create_app(st: ServerState) -> FastAPI:
 
 
 class _ReleasingStream(StreamingResponse):
-    """Frees the request's arena range however the response ends: a client that leaves
-    before the body starts leaves the generator unstarted, and its `finally` never runs."""
+    """Runs the reply's `close` once however the response ends, after the stream is
+    closed (so nothing reads the arena range any more). This is the one place: a client
+    that leaves before the body starts leaves the generator unstarted, so a `finally`
+    inside the stream would never run."""
 
     def __init__(self, stream, close, **kwargs):
         super().__init__(stream, **kwargs)
@@ -339,57 +237,5 @@ async def _client_gone(request: Request) -> None:
 def _serving(request: Request) -> ServerState:
     s = state(request)
     if s.service is None:
-        raise NotReady("the engine is still loading; retry shortly", retry_after=5)
+        raise NotReady("the engine is still loading; retry shortly", retry_after=5, reason="loading")
     return s
-
-
-async def _start_engine(st: ServerState) -> None:
-    from hsx_service.norm import load_final_norm
-    from hsx_service.serving import HiddenStatesService
-    from hsx_service.tokenize import Tokenizer
-
-    try:
-        await st.extractor.start()
-        f = st.extractor.facts
-        template = None
-        if st.settings.chat_template:
-            with open(st.settings.chat_template) as fh:
-                template = fh.read()
-        tokenizer = await asyncio.to_thread(Tokenizer, f.tokenizer, f.tokenizer_revision, f.trust_remote_code, template)
-        try:
-            st.final_norm = await asyncio.to_thread(
-                load_final_norm, f.model, f.revision, st.extractor.text_config
-            )
-        except Exception as exc:  # served anyway; /final_norm explains
-            st.final_norm_error = str(exc)
-            log.warning("final norm unavailable: %s", exc)
-        st.service = HiddenStatesService(st.settings, st.extractor, tokenizer, st.metrics)
-        await st.extractor.self_test()
-        if st.service.leases is not None:
-            arena = st.extractor.arena
-            try:
-                st.arena_socket = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, st.settings.api_key).start()
-            except OSError as exc:  # e.g. no abstract sockets here: serve HTTP bodies only
-                log.warning("same-host leases off: cannot open the arena socket: %s", exc)
-                st.service.leases = None
-        st.loading = False
-        log.info("ready: %s, layers %s", f.served_model_name, f.layer_ids)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        log.exception("engine start failed")
-        st.startup_error = f"engine start failed: {exc}"
-        if st.on_startup_failed:
-            st.on_startup_failed(st.startup_error)
-
-
-async def _watch_engine(st: ServerState) -> None:
-    while True:
-        await asyncio.sleep(0.5)
-        if st.extractor.dead:
-            log.error("the vLLM engine died; exiting so the orchestrator restarts this server")
-            if st.extractor.notices is not None:
-                st.extractor.notices.fail_all("engine died")
-            if st.on_engine_dead:
-                st.on_engine_dead()
-            return

@@ -6,7 +6,7 @@ fill and passes the offset with the request. The worker copies the states
 straight into that range (on CUDA, from the GPU into the registered, page-locked
 mapping); the API process then sends the bytes from the same mapping. No file,
 no lock file, no serialize/deserialize, and the arena size bounds the memory that
-unsent responses can hold.
+unsent responses can hold. Each range is owned by one `Reservation` at a time.
 """
 
 from __future__ import annotations
@@ -42,13 +42,23 @@ def _round_up(n: int) -> int:
     return max(ALIGN, (n + ALIGN - 1) // ALIGN * ALIGN)
 
 
+class FreeError(RuntimeError):
+    """A range freed twice, or one this allocator never handed out: a bug that would let
+    two requests share memory, so it is refused loudly."""
+
+
 class Allocator:
-    """First-fit over a sorted free list with coalescing; single-threaded (event loop)."""
+    """First-fit over a sorted free list with coalescing; single-threaded (event loop).
+
+    It remembers what it handed out, so `free` of a range that is not out (a double
+    free, or a foreign or mis-sized extent) raises FreeError instead of corrupting the
+    free list."""
 
     def __init__(self, size: int):
         self.size = size // ALIGN * ALIGN
         self._starts: list[int] = [0]
         self._lengths: dict[int, int] = {0: self.size}
+        self._taken: dict[int, int] = {}  # offset -> reserved length of every range out
         self.used = 0
 
     def allocate(self, nbytes: int) -> Extent:
@@ -64,11 +74,20 @@ class Allocator:
                     self._starts.insert(i, start + need)
                     self._lengths[start + need] = length - need
                 self.used += need
+                self._taken[start] = need
                 return Extent(start, nbytes)
         raise ArenaFull(f"{nbytes} bytes asked, {self.size - self.used} free but fragmented or taken")
 
+    def reserve(self, nbytes: int) -> "Reservation":
+        return Reservation(self, self.allocate(nbytes))
+
     def free(self, extent: Extent) -> None:
         start, length = extent.offset, extent.reserved
+        if self._taken.get(start) != length:
+            what = "not allocated (a double free?)" if start not in self._taken else \
+                f"allocated with {self._taken[start]} bytes, freed with {length}"
+            raise FreeError(f"arena range at offset {start} is {what}")
+        del self._taken[start]
         self.used -= length
         i = bisect.bisect_left(self._starts, start)
         # Merge with the following free range.
@@ -81,9 +100,39 @@ class Allocator:
         self._starts.insert(i, start)
         self._lengths[start] = length
 
+
+class Reservation:
+    """The one owner of an arena range.
+
+    A request's range has three possible owners over its life: the request (its
+    response body reads the range), the engine (after a failure the worker may still
+    write it until the connector's notice), and a same-host lease (the client reads it).
+    Whoever holds the live Reservation frees the range, with `release()`, which frees
+    it once (later calls do nothing). `hand_over()` moves the range to a new
+    Reservation for the next owner; the old one's `release()` then does nothing, so the
+    request's cleanup path can always call it."""
+
+    __slots__ = ("_allocator", "extent", "_state")
+
+    def __init__(self, allocator: Allocator, extent: Extent) -> None:
+        self._allocator = allocator
+        self.extent = extent
+        self._state = "owned"  # -> "released" | "handed_over"
+
     @property
-    def free_bytes(self) -> int:
-        return self.size - self.used
+    def owned(self) -> bool:
+        return self._state == "owned"
+
+    def release(self) -> None:
+        if self._state == "owned":
+            self._state = "released"
+            self._allocator.free(self.extent)
+
+    def hand_over(self) -> "Reservation":
+        if self._state != "owned":
+            raise RuntimeError(f"cannot hand over an arena range that is {self._state.replace('_', ' ')}")
+        self._state = "handed_over"
+        return Reservation(self._allocator, self.extent)
 
 
 class SharedArena:

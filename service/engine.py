@@ -3,8 +3,8 @@
 `build_engine_config` checks what can be refused before any GPU is touched
 (vLLM version, parallelism, architecture, layer ids) and wires the
 `extract_hidden_states` speculative method to hsx's connector. `Extractor` runs
-one request: reserve an arena range, prefill with max_tokens=1, wait for the
-worker's copy notice, hand the range to the HTTP layer.
+one request: reserve an arena range (a `Reservation`), prefill with max_tokens=1, wait
+for the worker's copy notice; the range is then the HTTP layer's to send and release.
 """
 
 from __future__ import annotations
@@ -16,14 +16,20 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import Version
 
-from hsx_service.arena import Allocator, ArenaFull, ArenaTooSmall, Extent, SharedArena
-from hsx_service.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError
+from hsx.dtypes import by_name as dtype_by_name
+from hsx.layers import default_layers
+from hsx_service.arena import Allocator, ArenaFull, ArenaTooSmall, Reservation, SharedArena
+from hsx_service.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError, TooLarge
 from hsx_service.settings import ServiceSettings
+
+if TYPE_CHECKING:  # vLLM is imported when the engine starts, not with this module
+    from vllm.config import VllmConfig
+    from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger("hsx.engine")
 
@@ -60,11 +66,6 @@ def check_parallelism(version: str, tensor_parallel: int, pipeline_parallel: int
         )
 
 
-def default_layers(n: int) -> list[int]:
-    """speculators' convention [2, N//2, N-3, N], kept inside 0..N, deduplicated."""
-    return sorted({min(max(k, 0), n) for k in (2, n // 2, n - 3, n)})
-
-
 def resolve_layers(requested: list[int] | None, n: int) -> list[int]:
     if not requested:
         return default_layers(n)
@@ -84,7 +85,6 @@ class ModelFacts:
     revision: str | None
     served_model_name: str
     architecture: str
-    model_type: str
     num_hidden_layers: int
     hidden_size: int
     vocab_size: int
@@ -95,7 +95,6 @@ class ModelFacts:
     tokenizer_revision: str | None
     trust_remote_code: bool
     vllm_version: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -163,7 +162,6 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
         revision=mc.revision,
         served_model_name=served[0] if isinstance(served, (list, tuple)) else str(served or mc.model),
         architecture=arch,
-        model_type=str(getattr(text_config, "model_type", "")),
         num_hidden_layers=n,
         hidden_size=int(mc.get_hidden_size()),
         vocab_size=int(mc.get_vocab_size()),
@@ -233,12 +231,12 @@ class Extractor:
         self.arena: SharedArena | None = None
         self.allocator: Allocator | None = None
         self.notices: Notices | None = None
-        self.engine: Any = None
+        self.engine: AsyncLLM | None = None
         self.facts: ModelFacts | None = None
         self.itemsize = 2
         self.engine_running = 0  # requests submitted to the engine and not yet finished
-        self.vllm_config: Any = None
-        self.text_config: Any = None
+        self.vllm_config: VllmConfig | None = None
+        self.text_config: Any = None  # the model's transformers text config
 
     def prepare(self) -> None:
         """Fast checks and set-up, before the port opens. Raises StartupError."""
@@ -249,9 +247,7 @@ class Extractor:
             self._engine_args, self.settings, self.arena, self.notices.address
         )
         self.text_config = self.vllm_config.model_config.hf_text_config
-        import torch
-
-        self.itemsize = torch.empty((), dtype=getattr(torch, self.facts.dtype)).element_size()
+        self.itemsize = dtype_by_name(self.facts.dtype).itemsize
 
     async def start(self) -> None:
         """Start vLLM (tens of seconds to minutes) without blocking the event loop."""
@@ -273,15 +269,16 @@ class Extractor:
         assert self.facts is not None
         ids = [i % self.facts.vocab_size for i in range(1, 5)]
         layers = list(range(len(self.facts.layer_ids)))
-        extent = self.reserve(len(ids), len(layers))
+        reservation = self.reserve(len(ids), len(layers))
         try:
-            await self.extract(ids, layers, extent, f"hsx-self-test-{uuid.uuid4().hex[:8]}")
+            await self.extract(ids, layers, reservation, f"hsx-self-test-{uuid.uuid4().hex[:8]}")
         except EngineFailure as exc:
             raise StartupError(
                 f"self-test failed: {exc}. The architecture may not expose layers {self.facts.layer_ids} "
                 "through vLLM's aux-hidden-state interface."
             ) from exc
-        self.free(extent)
+        finally:
+            reservation.release()  # a no-op when the engine took the range over
 
     def shutdown(self) -> None:
         if self.engine is not None:
@@ -299,26 +296,28 @@ class Extractor:
         assert self.facts is not None
         return num_tokens * num_layers * self.facts.hidden_size * self.itemsize
 
-    def reserve(self, num_tokens: int, num_layers: int) -> Extent:
+    def reserve(self, num_tokens: int, num_layers: int) -> Reservation:
+        """The arena range for one request's states. Raises Overloaded (full now) or
+        TooLarge (larger than the whole arena)."""
         assert self.allocator is not None
         try:
-            return self.allocator.allocate(self.bytes_for(num_tokens, num_layers))
+            return self.allocator.reserve(self.bytes_for(num_tokens, num_layers))
         except ArenaFull as exc:
-            raise Overloaded(f"response memory is full ({exc}); retry shortly") from exc
+            raise Overloaded(f"response memory is full ({exc}); retry shortly", reason="memory") from exc
         except ArenaTooSmall as exc:
-            raise ArenaTooSmall(
+            raise TooLarge(
                 f"the states of {num_tokens} tokens x {num_layers} layers need {self.bytes_for(num_tokens, num_layers)} "
                 f"bytes, more than the whole arena (--arena-bytes {self.settings.arena_bytes})"
             ) from exc
 
-    def free(self, extent: Extent) -> None:
-        assert self.allocator is not None
-        self.allocator.free(extent)
-
-    async def extract(self, token_ids: list[int], layer_index: list[int], extent: Extent, request_id: str) -> dict:
-        """Prefill `token_ids`; on return the states are in `extent` and the caller frees it.
-        On failure the extent is this method's: freed once the worker's notice says nothing
-        writes it any more (`_release_on_notice`)."""
+    async def extract(
+        self, token_ids: list[int], layer_index: list[int], reservation: Reservation, request_id: str
+    ) -> dict:
+        """Prefill `token_ids` into the reserved range; returns the phase timings. The
+        caller keeps the reservation and releases it once the states are sent. On a
+        failure while the worker may still write the range, this method takes it over
+        (`hand_over`) and frees it on the worker's notice (`_release_on_notice`): the
+        caller's release then does nothing."""
         from vllm import SamplingParams
 
         assert self.notices is not None
@@ -330,7 +329,8 @@ class Extractor:
             detokenize=False,
             extra_args={
                 "kv_transfer_params": {
-                    "hsx": {"key": key, "offset": extent.offset, "nbytes": extent.nbytes, "layers": layer_index}
+                    "hsx": {"key": key, "offset": reservation.extent.offset, "nbytes": reservation.extent.nbytes,
+                            "layers": layer_index}
                 }
             },
         )
@@ -350,7 +350,8 @@ class Extractor:
             # The engine may still write this range: free it only on the connector's notice
             # (every request the scheduler saw gets one; one vLLM refused before scheduling
             # is held until request_timeout, which hsx's own input checks make rare).
-            asyncio.get_running_loop().create_task(self._release_on_notice(notice, extent, key, prefill))
+            held = reservation.hand_over()
+            asyncio.get_running_loop().create_task(self._release_on_notice(notice, held, key, prefill))
             if isinstance(exc, ValueError):  # vLLM's own input checks
                 raise BadInput(f"vLLM refused the input: {exc}") from exc
             if isinstance(exc, asyncio.TimeoutError):
@@ -360,8 +361,7 @@ class Extractor:
             raise
         finally:
             self.engine_running -= 1
-        if not msg["ok"]:
-            self.free(extent)
+        if not msg["ok"]:  # the notice came: nothing writes the range, the caller frees it
             raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
         return msg["timing"]
 
@@ -389,10 +389,12 @@ class Extractor:
         msg["timing"] = {"engine": t1 - t0, "copy": time.perf_counter() - t1}
         return msg
 
-    async def _release_on_notice(self, notice: asyncio.Future, extent: Extent, key: str, prefill: asyncio.Task) -> None:
+    async def _release_on_notice(
+        self, notice: asyncio.Future, reservation: Reservation, key: str, prefill: asyncio.Task
+    ) -> None:
         try:
             await asyncio.wait_for(notice, self.settings.request_timeout)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             log.warning("no notice for aborted request %s; freeing its arena range after timeout", key)
-        self.free(extent)
+        reservation.release()
         prefill.cancel()  # the request is in the engine or was never sent: nothing left to abort

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hsx_service.arena import ArenaTooSmall
+from hsx_service.metrics import Metrics
 
 log = logging.getLogger("hsx.errors")
 
@@ -23,22 +23,22 @@ class StartupError(RuntimeError):
 
 
 class ServiceError(Exception):
+    """An answer the service gives on purpose. `reason` labels a 503 in
+    `hsx_rejected_total` (every 503 sent is counted there, see `render`)."""
+
     status = 500
     type = "internal_error"
     headers: dict[str, str] = {}
 
-    def __init__(self, message: str, *, retry_after: float | None = None):
+    def __init__(self, message: str, *, retry_after: float | None = None, reason: str | None = None):
         super().__init__(message)
         self.message = message
         self.retry_after = retry_after
+        self.reason = reason or self.type
 
 
 class BadInput(ServiceError):
     status, type = 400, "invalid_request"
-
-
-class Unprocessable(ServiceError):
-    status, type = 422, "invalid_request"
 
 
 class TooLarge(ServiceError):
@@ -47,6 +47,7 @@ class TooLarge(ServiceError):
 
 class Unauthorized(ServiceError):
     status, type = 401, "unauthorized"
+    headers = {"WWW-Authenticate": "Bearer"}
 
 
 class UnsupportedMedia(ServiceError):
@@ -57,7 +58,7 @@ class LeaseGone(ServiceError):
     status, type = 410, "lease_gone"
 
 
-class Overloaded(ServiceError):
+class Overloaded(ServiceError):  # full: reason inflight, tokens or memory
     status, type = 503, "overloaded"
 
 
@@ -65,7 +66,7 @@ class Draining(ServiceError):
     status, type = 503, "draining"
 
 
-class NotReady(ServiceError):
+class NotReady(ServiceError):  # reason loading, or engine_dead
     status, type = 503, "not_ready"
 
 
@@ -81,37 +82,37 @@ class NotAvailable(ServiceError):
     status, type = 501, "not_available"
 
 
-def error_body(status: int, type_: str, message: str, request_id: str | None) -> dict:
-    return {"error": {"type": type_, "message": message, "request_id": request_id}}
+def _json_error(status: int, type_: str, message: str, request_id: str | None, headers: dict[str, str]) -> JSONResponse:
+    if request_id:
+        headers = {**headers, "X-Request-Id": request_id}
+    body = {"error": {"type": type_, "message": message, "request_id": request_id}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def render(exc: ServiceError, request_id: str | None, metrics: Metrics | None) -> JSONResponse:
+    """The one place a ServiceError becomes an HTTP answer (the app's handlers and the
+    guard middleware both call it)."""
+    headers = dict(exc.headers)
+    retry = exc.retry_after
+    if retry is None and exc.status == 503:
+        retry = 1.0
+    if retry is not None:
+        headers["Retry-After"] = str(max(1, int(round(retry))))
+    if exc.status == 503 and metrics is not None:
+        metrics.rejected.labels(exc.reason).inc()
+    if exc.status >= 500:
+        log.warning("%s: %s", exc.type, exc.message)
+    return _json_error(exc.status, exc.type, exc.message, request_id, headers)
 
 
 def _request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
-def error_response(request: Request, status: int, type_: str, message: str, retry_after: float | None = None):
-    headers = {}
-    rid = _request_id(request)
-    if rid:
-        headers["X-Request-Id"] = rid
-    if retry_after is not None:
-        headers["Retry-After"] = str(max(1, int(round(retry_after))))
-    return JSONResponse(error_body(status, type_, message, rid), status_code=status, headers=headers)
-
-
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
-        retry = exc.retry_after
-        if retry is None and exc.status == 503:
-            retry = 1.0
-        if exc.status >= 500:
-            log.warning("%s: %s", exc.type, exc.message)
-        return error_response(request, exc.status, exc.type, exc.message, retry)
-
-    @app.exception_handler(ArenaTooSmall)
-    async def _too_small(request: Request, exc: ArenaTooSmall):
-        return error_response(request, 413, "too_large", str(exc))
+        return render(exc, _request_id(request), metrics)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -119,14 +120,14 @@ def install_error_handlers(app: FastAPI) -> None:
         for err in exc.errors()[:10]:
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
             parts.append(f"{loc or 'body'}: {err.get('msg')}")
-        return error_response(request, 422, "invalid_request", "; ".join(parts) or "invalid request")
+        return _json_error(422, "invalid_request", "; ".join(parts) or "invalid request", _request_id(request), {})
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code, "http_error")
-        return error_response(request, exc.status_code, kind, str(exc.detail))
+        return _json_error(exc.status_code, kind, str(exc.detail), _request_id(request), {})
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unexpected error")
-        return error_response(request, 500, "internal_error", "internal server error; see the server log")
+        return _json_error(500, "internal_error", "internal server error; see the server log", _request_id(request), {})

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hsx.wire import boot_id
+from hsx_service.arena import Reservation
 from hsx_service.auth import key_matches
 
 log = logging.getLogger("hsx.lease")
@@ -46,24 +47,26 @@ _MAX_LINE = 4096
 
 @dataclass
 class _Lease:
-    on_end: Callable[[str], None]  # called once with the outcome: released, expired or unsent
+    reservation: Reservation  # the leased range; freed when the lease ends
     timer: asyncio.TimerHandle
 
 
 class Leases:
-    """Live leases of the event loop's thread: grant, release, expire."""
+    """Live leases of the event loop's thread: grant, release, expire. Each owns the
+    Reservation handed over to it and frees it when it ends."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, on_end: Callable[[str], None] | None = None):
         self.timeout = timeout
+        self._on_end = on_end  # called with the outcome: released, expired or unsent
         self._live: dict[str, _Lease] = {}
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def grant(self, on_end: Callable[[str], None]) -> str:
+    def grant(self, reservation: Reservation) -> str:
         lease_id = secrets.token_hex(16)
         timer = asyncio.get_running_loop().call_later(self.timeout, self.release, lease_id, "expired")
-        self._live[lease_id] = _Lease(on_end, timer)
+        self._live[lease_id] = _Lease(reservation, timer)
         return lease_id
 
     def release(self, lease_id: str, outcome: str = "released") -> bool:
@@ -76,7 +79,9 @@ class Leases:
         lease.timer.cancel()
         if outcome == "expired":
             log.warning("lease %s expired after %.0fs without a release; its range is reused", lease_id[:8], self.timeout)
-        lease.on_end(outcome)
+        lease.reservation.release()
+        if self._on_end is not None:
+            self._on_end(outcome)
         return True
 
     def end_all(self) -> None:

@@ -4,14 +4,15 @@ The header is built here (hsx.wire), the hidden-state bytes are read straight fr
 the shared arena: compressed chunk by chunk in worker threads (zstandard releases
 the GIL, so chunks of many responses compress on all cores while the event loop
 keeps serving), or, uncompressed, copied out in small chunks so the transport never
-holds a view of arena memory that is about to be reused.
+holds a view of arena memory that is about to be reused. A stream, once closed
+(`aclose`), no longer reads the arena: the caller frees the range after that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -41,7 +42,6 @@ def accepts_zstd(accept_encoding: str | None) -> bool:
 @dataclass
 class Body:
     parts: list  # bytes / memoryview, in body order
-    on_close: Callable[[], None]
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +73,8 @@ def _copy_out(chunk: memoryview, last: bool) -> memoryview:
 async def _pipelined(body: Body, stats: Stats, step, executor: Executor | None) -> AsyncIterator:
     """Run `step(chunk, is_last)` on each chunk in a worker thread, in order, one at a
     time (a compressor is stateful), sending chunk i while chunk i+1 is processed.
-    The arena range is released only once no step reads it any more."""
+    However it ends, it waits for the step in flight, so that once it is closed nothing
+    reads the body's memory any more."""
     loop = asyncio.get_running_loop()
     chunks = body.chunks()
     pending: asyncio.Future | None = None
@@ -98,7 +99,6 @@ async def _pipelined(body: Body, stats: Stats, step, executor: Executor | None) 
                 await asyncio.shield(pending)
             except Exception:
                 pass
-        body.on_close()
 
 
 def stream_identity(body: Body, stats: Stats, executor: Executor | None = None) -> AsyncIterator[memoryview]:

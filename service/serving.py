@@ -1,20 +1,29 @@
-"""POST /hidden_states, end to end: validate, admit, prefill, stream the body."""
+"""POST /hidden_states, end to end: validate, admit, prefill, stream the body.
+
+Who frees what: the request's admission ticket belongs to the guard middleware (it
+enters the gate and leaves it when the response has ended); the arena range belongs to
+the request's `Reservation`, which `Reply.close` releases, unless the engine took it
+over after a failure or it was handed over to a same-host lease.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from hsx import __version__ as hsx_version
-from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, MEDIA_TYPE, ST_DTYPES, TensorSpec, encode_header
+from hsx.dtypes import st_code
+from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, MEDIA_TYPE, TensorSpec, encode_header
+from hsx_service.admission import AdmissionGate, Ticket
+from hsx_service.arena import Reservation
 from hsx_service.engine import Extractor
-from hsx_service.errors import BadInput, Draining, NotReady, Overloaded, ServiceError, TooLarge
+from hsx_service.errors import BadInput, ServiceError, TooLarge
 from hsx_service.lease import Leases
 from hsx_service.metrics import Metrics
 from hsx_service.protocol import HiddenStatesRequest
@@ -32,21 +41,43 @@ class Prepared:
     layer_index: list[int]
 
 
+@dataclass
+class Reply:
+    """What the route sends: headers, the body stream, and `close`, which must run once
+    however the response ends (it frees the arena range or ends an unsent lease)."""
+
+    headers: dict[str, str]
+    stream: AsyncIterator
+    close: Callable[[], None]
+
+
 class HiddenStatesService:
-    def __init__(self, settings: ServiceSettings, extractor: Extractor, tokenizer: Tokenizer, metrics: Metrics):
+    def __init__(self, settings: ServiceSettings, extractor: Extractor, tokenizer: Tokenizer, metrics: Metrics,
+                 gate: AdmissionGate):
         self.settings = settings
         self.extractor = extractor
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.gate = gate
         self.facts = extractor.facts
         assert self.facts is not None
         self.max_tokens = min(
             settings.max_tokens_per_request or self.facts.max_model_len - 1, self.facts.max_model_len - 1
         )
-        self.inflight = 0
-        self.queued_tokens = 0
-        self.draining = False
-        self.leases = Leases(settings.lease_timeout) if settings.shm_lease else None
+        self.leases: Leases | None = None
+        if settings.shm_lease:
+            self.leases = Leases(settings.lease_timeout, on_end=lambda outcome: metrics.leases.labels(outcome).inc())
+        gate.engine_dead = lambda: extractor.dead
+        allocator = extractor.allocator
+        metrics.engine_running.set_function(lambda: extractor.engine_running)
+        metrics.leases_live.set_function(lambda: len(self.leases) if self.leases is not None else 0)
+        metrics.arena_used.set_function(lambda: allocator.used if allocator is not None else 0)
+
+    @property
+    def busy(self) -> int:
+        """Requests in progress plus live leases: what a drain waits for (a same-host
+        client still reading its states would otherwise see the server go first)."""
+        return self.gate.in_flight + (len(self.leases) if self.leases is not None else 0)
 
     # ------------------------------------------------------------------ validation
     def _layers(self, asked: list[int] | None) -> tuple[list[int], list[int]]:
@@ -102,82 +133,93 @@ class HiddenStatesService:
             raise BadInput(f"could not tokenize the input: {exc}") from exc
         return Prepared(self._truncate(enc, req), layer_ids, layer_index)
 
-    # ------------------------------------------------------------------- admission
-    def admit(self, num_tokens: int) -> None:
-        if self.draining:
-            raise Draining("the server is shutting down; send this request to another server", retry_after=5)
-        if self.extractor.dead:
-            raise NotReady("the engine is not running")
-        if self.inflight >= self.settings.max_inflight:
-            self.metrics.rejected.labels("inflight").inc()
-            raise Overloaded(f"{self.inflight} requests in flight (limit {self.settings.max_inflight}); retry shortly")
-        if self.inflight and self.queued_tokens + num_tokens > self.settings.max_queued_tokens:
-            self.metrics.rejected.labels("tokens").inc()
-            raise Overloaded(
-                f"{self.queued_tokens} prompt tokens queued (limit {self.settings.max_queued_tokens}); retry shortly"
-            )
-
     # ------------------------------------------------------------------- the request
-    async def run(self, req: HiddenStatesRequest, request_id: str, zstd: bool, lease: bool = False):
-        """Return (headers, async body iterator, close). `close` releases the request's
-        arena range and counters; idempotent. Raises ServiceError on refusal.
-        `lease`: answer with a lease on the arena range instead of the states' bytes
-        (lease.py); the range then lives until the lease is released or expires."""
+    async def run(self, req: HiddenStatesRequest, request_id: str, ticket: Ticket, zstd: bool,
+                  lease: bool = False) -> Reply:
+        """Prepare, admit (`ticket`), prefill; raises ServiceError on refusal. `lease`:
+        answer with a lease on the arena range instead of the states' bytes (lease.py);
+        the range then lives until the lease is released or expires."""
         t_start = time.perf_counter()
         prep = await self.prepare(req)
         self.metrics.phase.labels("tokenize").observe(time.perf_counter() - t_start)
         ids = prep.encoded.token_ids
-        n = len(ids)
-        self.admit(n)
-        try:
-            extent = self.extractor.reserve(n, len(prep.layer_ids))
-        except Overloaded:
-            self.metrics.rejected.labels("memory").inc()
-            raise
+        ticket.admit(len(ids))
+        reservation = self.extractor.reserve(len(ids), len(prep.layer_ids))
         started = time.perf_counter()
-        self.inflight += 1
-        self.queued_tokens += n
-        self._gauges()
-        released = False
-
-        def release(free_extent: bool = True) -> None:
-            nonlocal released
-            if released:
-                return
-            released = True
-            if free_extent:
-                self.extractor.free(extent)
-            self.inflight -= 1
-            self.queued_tokens -= n
-            self._gauges()
-
         try:
-            timing = await self.extractor.extract(ids, prep.layer_index, extent, request_id)
+            timing = await self.extractor.extract(ids, prep.layer_index, reservation, request_id)
         except BaseException:
-            release(free_extent=False)  # extract() owns the arena range on failure
+            reservation.release()  # does nothing when the engine took the range over
             self.metrics.requests.labels("error").inc()
             raise
-
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
+        return self._reply(req, prep, reservation, request_id, zstd, lease and self.leases is not None, started)
+
+    def _reply(self, req: HiddenStatesRequest, prep: Prepared, reservation: Reservation, request_id: str,
+               zstd: bool, lease: bool, started: float) -> Reply:
         t_send = time.perf_counter()
         f = self.facts
-        specs = [
-            TensorSpec("hidden_states", ST_DTYPES[f.dtype], (n, len(prep.layer_ids), f.hidden_size)),
-            TensorSpec("token_ids", "I64", (n,)),
-        ]
-        parts: list = [None, self.extractor.arena.slice(extent), np.asarray(ids, dtype=np.int64).tobytes()]
+        ids = prep.encoded.token_ids
+        n = len(ids)
+        states = TensorSpec("hidden_states", st_code(f.dtype), (n, len(prep.layer_ids), f.hidden_size))
+        specs = [states, TensorSpec("token_ids", "I64", (n,))]
+        parts: list = [self.extractor.arena.slice(reservation.extent), np.asarray(ids, dtype=np.int64).tobytes()]
         if prep.encoded.loss_mask is not None:
             specs.append(TensorSpec("loss_mask", "U8", (n,)))
             parts.append(np.asarray(prep.encoded.loss_mask, dtype=np.uint8).tobytes())
+        metadata = self._metadata(req, prep, request_id)
         lease_id = None
-        if lease and self.leases is not None:
-            states = specs.pop(0)
-            parts.pop(1)
-            lease_id = self.leases.grant(functools.partial(self._lease_ended, extent))
-            release(free_extent=False)  # the lease owns the range from here
+        if lease:
+            specs.pop(0)
+            parts.pop(0)
+            extent = reservation.extent
+            lease_id = self.leases.grant(reservation.hand_over())
             self.metrics.leases.labels("granted").inc()
-        metadata = {
+            metadata["lease"] = json.dumps({
+                "id": lease_id, "arena_id": self.extractor.arena.arena_id, "offset": extent.offset,
+                "nbytes": extent.nbytes, "dtype": states.dtype, "shape": list(states.shape),
+                "expires_in": self.settings.lease_timeout,
+            })
+        body = Body([encode_header(specs, metadata), *parts])
+        stats = Stats()
+        closed = False
+
+        def close() -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            if lease_id is not None:
+                if not stats.complete:  # the client never got the lease: take the range back
+                    self.leases.release(lease_id, "unsent")
+                raw = reservation.extent.nbytes
+            else:
+                reservation.release()
+                raw = stats.raw
+            self.metrics.sent(raw, stats.wire)
+            self.metrics.tokens.inc(n)
+            self.metrics.requests.labels("ok" if stats.complete else "aborted").inc()
+            self.metrics.latency.observe(time.perf_counter() - started)
+            self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
+
+        headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n), "Content-Type": MEDIA_TYPE}
+        if lease_id is not None:  # a few KB: never worth compressing
+            headers["Content-Type"] = LEASE_MEDIA_TYPE
+            headers["Content-Length"] = str(body.nbytes)
+            stream = stream_identity(body, stats)
+        elif zstd:
+            headers["Content-Encoding"] = "zstd"
+            stream = stream_zstd(body, stats, self.settings.zstd_level, None)
+        else:
+            headers["Content-Length"] = str(body.nbytes)
+            stream = stream_identity(body, stats)
+        return Reply(headers, stream, close)
+
+    def _metadata(self, req: HiddenStatesRequest, prep: Prepared, request_id: str) -> dict[str, str]:
+        f = self.facts
+        template = self.tokenizer.template_sha256 if req.messages and not req.chat_template else None
+        return {
             "format": FORMAT,
             "model": f.served_model_name,
             "model_path": f.model,
@@ -192,62 +234,8 @@ class HiddenStatesService:
             "hsx_version": hsx_version,
             "request_id": request_id,
             "caller_id": req.id or "",
-            "chat_template_sha256": (self.tokenizer.template_sha256 or "") if req.messages and not req.chat_template else "",
+            "chat_template_sha256": template or "",
         }
-        if lease_id is not None:
-            metadata["lease"] = json.dumps({
-                "id": lease_id, "arena_id": self.extractor.arena.arena_id, "offset": extent.offset,
-                "nbytes": extent.nbytes, "dtype": states.dtype, "shape": list(states.shape),
-                "expires_in": self.settings.lease_timeout,
-            })
-        parts[0] = encode_header(specs, metadata)
-        stats = Stats()
-
-        def finished(raw_bytes: int) -> None:
-            self.metrics.sent(raw_bytes, stats.wire)
-            self.metrics.tokens.inc(n)
-            self.metrics.requests.labels("ok" if stats.complete else "aborted").inc()
-            self.metrics.latency.observe(time.perf_counter() - started)
-            self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
-
-        def on_close() -> None:
-            # Idempotent: the stream's own end and the response's end both call it.
-            nonlocal lease_id
-            if lease_id is not None:
-                if not stats.complete:  # the client never got the lease: take the range back
-                    self.leases.release(lease_id, "unsent")
-                lease_id = None
-                finished(extent.nbytes)
-            elif not released:
-                release()
-                finished(stats.raw)
-
-        body = Body(parts, on_close)
-        headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n), "Content-Type": MEDIA_TYPE}
-        if lease_id is not None:  # a few KB: never worth compressing
-            headers["Content-Type"] = LEASE_MEDIA_TYPE
-            headers["Content-Length"] = str(body.nbytes)
-            stream = stream_identity(body, stats)
-        elif zstd:
-            headers["Content-Encoding"] = "zstd"
-            stream = stream_zstd(body, stats, self.settings.zstd_level, None)
-        else:
-            headers["Content-Length"] = str(body.nbytes)
-            stream = stream_identity(body, stats)
-        return headers, stream, on_close
-
-    def _lease_ended(self, extent, outcome: str) -> None:
-        self.extractor.free(extent)
-        self.metrics.leases.labels(outcome).inc()
-        self._gauges()
 
     def release_lease(self, lease_id: str) -> bool:
         return self.leases is not None and self.leases.release(lease_id)
-
-    def _gauges(self) -> None:
-        self.metrics.inflight.set(self.inflight)
-        self.metrics.queued_tokens.set(self.queued_tokens)
-        self.metrics.engine_running.set(self.extractor.engine_running)
-        self.metrics.leases_live.set(len(self.leases) if self.leases is not None else 0)
-        if self.extractor.allocator is not None:
-            self.metrics.arena_used.set(self.extractor.allocator.used)

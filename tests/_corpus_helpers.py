@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from hsx.wire import Decoded
+from hsx_client import store
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 LAYER_IDS = [1, 2, 3, 5]  # stories260K-like: N = 5 layers
@@ -42,14 +42,24 @@ def make_decoded(
 
 
 def store_files(out_dir: Path, files: dict[str, bytes]) -> None:
-    """What the run loop's store does, minus checksums: tmp + fsync + rename."""
-    for rel, data in files.items():
-        path = Path(out_dir) / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".part")
-        with open(tmp, "wb") as f:
-            for part in data if isinstance(data, (list, tuple)) else [data]:
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+    """What the run loop's store does (store.write_files_atomic), without the manifest."""
+    store.write_files_atomic(out_dir, files)
+
+
+def specforge_batches(path: Path, max_len: int, run_id: str = "t") -> list[tuple[str, dict]]:
+    """SpecForge 0.2's eagle3 offline reader, LocalFeatureStore, normalizer and collator
+    over a corpus: [(sample file path, batch tensors)], one sample a batch."""
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+
+    provider = builtin_algorithm_registry().resolve("eagle3").providers.offline_for("text")
+    refs = provider.build_reader(str(path), run_id=run_id, ttt_length=7, max_len=max_len).read()
+    loader = FeatureDataLoader(
+        LocalFeatureStore(run_id), refs=refs, batch_size=1,
+        collate_fn=provider.build_collator(),
+        per_sample_transform=provider.build_normalizer(max_len, ttt_length=7, use_usp_preprocess=False),
+        drop_last=False, strategy="eagle3",
+    )
+    files = {r.sample_id: r.feature_store_uri[len("file://"):] for r in refs}
+    return [(files[b.sample_ids[0]], b.tensors) for b in loader]

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from _corpus_helpers import specforge_batches as read_specforge
 from _reference import load as load_reference_model
 from _reference import per_layer_rel_err, reference_states
 from _server import STORIES, TEMPLATES, ServerProcess, engine_env
@@ -164,8 +165,9 @@ def stored_indices(out: Path) -> list[int]:
 
 
 def wait_for_manifest(cp: CliProcess, out: Path, n: int, timeout: float = 120) -> int:
-    """Poll until the manifest holds >= n stored samples; returns the count seen (the
-    process must still be running then, else the kill point was missed)."""
+    """Poll until the manifest holds >= n stored samples (a file read every 20 ms: the
+    kill points want to be close); returns the count seen. The process must still be
+    running then, else the kill point was missed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         k = len(stored_indices(out))
@@ -174,7 +176,7 @@ def wait_for_manifest(cp: CliProcess, out: Path, n: int, timeout: float = 120) -
         if cp.proc.poll() is not None:
             raise AssertionError(f"hsx extract exited ({cp.proc.returncode}) before {n} samples were stored:\n"
                                  + cp.output()[-3000:])
-        time.sleep(0.01)
+        time.sleep(0.02)
     raise AssertionError(f"manifest did not reach {n} samples in {timeout}s")
 
 
@@ -315,28 +317,12 @@ def speculators_rows(out: Path, max_len: int = 512) -> list[dict]:
 
 
 def specforge_batches(out: Path, max_len: int = 512) -> dict[int, dict]:
-    """SpecForge 0.2's eagle3 offline reader, LocalFeatureStore, normalizer and collator;
-    returns {sample index (from the file name): batch tensors}."""
-    from specforge.algorithms.builtin import builtin_algorithm_registry
-    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
-    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
-
-    algo = builtin_algorithm_registry().resolve("eagle3")
-    provider = algo.providers.offline_for("text")
-    refs = provider.build_reader(str(out), run_id="e2e", ttt_length=7, max_len=max_len).read()
-    loader = FeatureDataLoader(
-        LocalFeatureStore("e2e"), refs=refs, batch_size=1,
-        collate_fn=provider.build_collator(),
-        per_sample_transform=provider.build_normalizer(max_len, ttt_length=7, use_usp_preprocess=False),
-        drop_last=False, strategy="eagle3",
-    )
-    files = {r.sample_id: r.feature_store_uri[len("file://"):] for r in refs}
+    """SpecForge 0.2's own reader over the corpus: {sample index (from the file name): batch}."""
     res: dict[int, dict] = {}
-    for b in loader:
-        name = Path(files[b.sample_ids[0]]).name
-        i = int(name[len("data_"):-len(".ckpt")])
+    for path, tensors in read_specforge(out, max_len, run_id="e2e"):
+        i = int(Path(path).name[len("data_"):-len(".ckpt")])
         assert i not in res, f"SpecForge read sample {i} twice"
-        res[i] = b.tensors
+        res[i] = tensors
     return res
 
 

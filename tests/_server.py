@@ -1,16 +1,16 @@
-"""Start a real `hsx serve` subprocess on a free port and wait until it is ready."""
+"""Real `hsx serve` subprocesses for the tests (hsx.server_process), paths of the shared
+fixtures, polling helpers, and the check that keeps the fast tier free of engines."""
 
 from __future__ import annotations
 
+import asyncio
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import httpx
+from hsx.server_process import MetricValues, free_port
+from hsx.server_process import ServerProcess as _ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -18,12 +18,7 @@ FIXTURES = SHARED / "fixtures"
 STORIES = FIXTURES / "models" / "stories260K"
 CHAT = FIXTURES / "chat"
 TEMPLATES = FIXTURES / "chat_templates"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+POLL = 0.1  # seconds between polls: a tight loop would take a core from the server on a 2-core box
 
 
 def engine_env(**extra: str) -> dict[str, str]:
@@ -35,52 +30,83 @@ def engine_env(**extra: str) -> dict[str, str]:
     return env
 
 
-class ServerProcess:
-    def __init__(self, model: str, *args: str, log_dir: Path, env: dict[str, str] | None = None, name: str = "hsx"):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}-{self.port}.log"
-        cmd = [sys.executable, "-m", "hsx.cli", "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.cmd = cmd
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env or engine_env(),
-                                     start_new_session=True)
+class EngineGuard:
+    """Set by conftest.py: the test being set up or run, and the fixture being set up.
+    Starting a server records the fixture that did it (its users must be marked
+    `engine` too) and fails a test that is not marked `engine`."""
 
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+    test = None
+    fixture: str | None = None
+    engine_fixtures: set[str] = set()
 
-    def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hsx serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"hsx serve not ready after {timeout}s:\n{self.log_tail()}")
+    @classmethod
+    def starting_a_server(cls) -> None:
+        if cls.fixture is not None:
+            cls.engine_fixtures.add(cls.fixture)
+        if cls.test is not None and cls.test.get_closest_marker("engine") is None:
+            raise RuntimeError(f"{cls.test.nodeid} starts `hsx serve` (a vLLM engine) but is not marked "
+                               "@pytest.mark.engine: the fast tier (-m 'not engine and not slow') would start it")
 
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
 
-    def stop(self, timeout: float = 60.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        # vLLM's engine processes live in the server's session: make sure none is left.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self._log.close()
-        return self.proc.returncode
+class ServerProcess(_ServerProcess):
+    """`hsx serve` with the test environment and its log in `log_dir`."""
+
+    def __init__(self, model: str, *args: str, log_dir: Path, env: dict[str, str] | None = None,
+                 name: str = "hsx") -> None:
+        EngineGuard.starting_a_server()
+        port = free_port()
+        super().__init__(model, *args, log_path=log_dir / f"{name}-{port}.log", env=env or engine_env(), port=port)
+
+    def wait_ready(self, timeout: float = 600.0) -> "ServerProcess":
+        """Ten minutes: a CPU engine starts in ~25 s, but a 2-core box shared with other
+        work was seen to take over five."""
+        return super().wait_ready(timeout)
+
+
+class Servers:
+    """The servers of one configuration for a module. `shared()` is the one the tests
+    reuse (started on first use, again if it died); `to_stop()` hands it to a test that
+    stops it, so that such a test can run in any order: the tests after it get a fresh
+    one."""
+
+    def __init__(self, start: Callable[[], ServerProcess]) -> None:
+        self._start = start
+        self._current: ServerProcess | None = None
+        self._all: list[ServerProcess] = []
+
+    def shared(self) -> ServerProcess:
+        if self._current is None or self._current.proc.poll() is not None:
+            self._current = self._start()
+            self._all.append(self._current)
+        return self._current
+
+    def to_stop(self) -> ServerProcess:
+        server, self._current = self.shared(), None
+        return server
+
+    def stop_all(self) -> None:
+        for s in self._all:
+            s.stop()
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `check` every POLL seconds until it holds; fail naming `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(POLL)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    """`wait_until` for async checks (the event loop keeps serving the test's requests)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        await asyncio.sleep(POLL)
+
+
+async def metrics_async(client, url: str, headers: dict[str, str] | None = None) -> MetricValues:
+    """/metrics through the test's own httpx.AsyncClient."""
+    r = await client.get(url + "/metrics", headers=headers or {})
+    r.raise_for_status()
+    return MetricValues(r.text)

@@ -15,7 +15,7 @@ import numpy as np
 
 from hsx import wire
 from hsx_client import extract as ex
-from hsx_client.shard import ShardSpec
+from hsx_client.plan import ShardSpec
 
 HIDDEN, VOCAB = 16, 64
 HSX = [sys.executable, "-m", "hsx.cli"]

@@ -2,6 +2,12 @@
 
 Engine start takes ~25 s on CPU, so each configuration starts once per session.
 Tests that need ../shared/fixtures skip with the reason when it is absent.
+
+Tiers: every test that starts a vLLM engine (a server fixture, or `hsx serve` itself)
+is marked `engine`; one that takes more than a few seconds without an engine is marked
+`slow`. `pytest -m "not engine and not slow"` is the fast tier (under a minute). The
+hooks below enforce the `engine` marker: a test that starts a server, or uses a fixture
+that did, without it fails.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _server import FIXTURES, STORIES, TEMPLATES, ServerProcess
+from _server import FIXTURES, STORIES, TEMPLATES, EngineGuard, ServerProcess
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -26,6 +32,37 @@ def need_fixtures():
         pytest.skip(f"shared fixtures not found at {FIXTURES} (they ship beside the repo, not in it)")
 
 
+# ----------------------------------------------------------------------------- the engine marker
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    outer, EngineGuard.fixture = EngineGuard.fixture, fixturedef.argname
+    try:
+        return (yield)
+    finally:
+        EngineGuard.fixture = outer
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    EngineGuard.test = item
+    result = yield
+    used = sorted(EngineGuard.engine_fixtures & set(item.fixturenames))
+    if used and item.get_closest_marker("engine") is None:
+        pytest.fail(f"{item.nodeid} uses {', '.join(used)} (a vLLM engine) but is not marked @pytest.mark.engine",
+                    pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    EngineGuard.test = item
+    try:
+        return (yield)
+    finally:
+        EngineGuard.test = None
+
+
+# ----------------------------------------------------------------------------- servers
 @pytest.fixture(scope="session")
 def log_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("server-logs")

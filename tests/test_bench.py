@@ -13,13 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow
-
-
+@pytest.mark.engine
+@pytest.mark.slow
 def test_bench_quick_three_modes(tmp_path: Path) -> None:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (pip install '.[cpu]' for the benchmark)")
@@ -71,9 +71,7 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
 
 def test_codec_candidates_round_trip() -> None:
     """Every codec candidate is bit-exact on bf16 data (fast; no engine)."""
-    np = pytest.importorskip("numpy")
-    pytest.importorskip("zstandard")
-    from hsx.bench import choose_codec, entropy_bound, measure_codecs
+    from hsx.bench.codec import choose_codec, entropy_bound, measure_codecs
 
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(300_000) * 3).astype(np.float32)

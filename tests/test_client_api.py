@@ -397,6 +397,21 @@ async def test_final_norm_and_raw():
     assert wire.decode(raw).token_ids.tolist() == [9, 9]
 
 
+async def test_server_infos_asks_every_server_once_and_leaves_out_the_down_ones():
+    asked = []
+
+    def handler(request):
+        asked.append((request.url.host, request.url.path))
+        if request.url.host == "down":
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json={"model": request.url.host})
+
+    async with fast_client(["http://a", "http://down", "http://b"], httpx.MockTransport(handler)) as c:
+        infos = await c.server_infos()
+    assert infos == {"http://a": {"model": "a"}, "http://b": {"model": "b"}}
+    assert sorted(asked) == [("a", "/info"), ("b", "/info"), ("down", "/info")]  # no retries
+
+
 def test_client_import_is_light():
     import subprocess
     import sys

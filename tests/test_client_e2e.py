@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx_client.extract import verify_corpus
+from hsx_client.verify import verify_corpus
 from conftest import need_fixtures, need_vllm
 from _e2e_helpers import (
     LAYERS,
@@ -62,7 +62,7 @@ def pool(tmp_path_factory):
         pytest.importorskip(mod, reason=f"{why} is not installed (the trainers' readers)")
     p = ServerPool(tmp_path_factory.mktemp("e2e-server-logs"))
     try:
-        p.get(2)  # both start in parallel; the failover test (last) kills one
+        p.get(2)  # both start in parallel; the failover test kills one, `get` starts a fresh one
         yield p
     finally:
         p.stop_all()
@@ -170,7 +170,7 @@ def test_client_sigkill_at_several_points_then_resume(pool, inputs, tmp_path):
     seen = []
     for target in (1, n // 2):
         cp = CliProcess(argv, tmp_path / "extract.log")
-        k = wait_for_manifest(cp, out, target)
+        wait_for_manifest(cp, out, target)
         rc = cp.kill()
         assert rc == -signal.SIGKILL, f"extract was not running at the kill point ({rc})"
         stored = len(set(stored_indices(out)))
@@ -179,7 +179,6 @@ def test_client_sigkill_at_several_points_then_resume(pool, inputs, tmp_path):
         assert (out / "plan.json").exists() and not (out / "hsx_corpus.json").exists()
         report = verify_corpus(out)  # incomplete but sound: nothing bad, just missing
         assert not report["ok"] and report["bad_samples"] == 0 and report["missing"] == n - stored
-        assert k >= target
     assert seen[0] < seen[1]
 
     # the last attempt: kill once every sample is recorded (finalize may be running)
@@ -246,7 +245,7 @@ def test_ctrl_c_exits_130_and_resumes(pool, inputs, tmp_path):
     assert rc == 130, cp.output()[-2000:]
     assert "interrupted" in cp.output()
     stored = set(stored_indices(out))
-    assert 3 <= len(stored) < n
+    assert len(stored) < n, "the run finished before the interrupt"
     assert (out / "plan.json").exists() and not (out / "hsx_corpus.json").exists()
     rc_v, report, err = verify(out)  # `hsx verify`: incomplete (exit 1) but nothing broken
     assert rc_v == 1 and report["bad_samples"] == 0 and report["missing"] == n - len(stored), err
@@ -258,7 +257,7 @@ def test_ctrl_c_exits_130_and_resumes(pool, inputs, tmp_path):
     assert check_corpus(out, "specforge", inputs["alpaca"]) == n
 
 
-# ----------------------------------------------------------------------------- a server killed (last: it kills one)
+# ----------------------------------------------------------------------------- a server killed (the pool replaces it)
 
 
 def test_server_killed_mid_run_fails_over(pool, inputs, tmp_path):
@@ -270,7 +269,7 @@ def test_server_killed_mid_run_fails_over(pool, inputs, tmp_path):
     argv = extract_argv([a, b], out, "--json", *fmt_args("speculators", inputs["mtbench"], n,
                                                          "--concurrency-per-server", "2"))
     cp = CliProcess(argv, tmp_path / "extract.log")
-    k = wait_for_manifest(cp, out, 4)
+    wait_for_manifest(cp, out, 4)
     os.killpg(a.proc.pid, signal.SIGKILL)
     a.proc.wait(30)
     at_kill = len(set(stored_indices(out)))
@@ -283,7 +282,6 @@ def test_server_killed_mid_run_fails_over(pool, inputs, tmp_path):
     servers = summary["servers"]
     assert servers[b.url]["ok"] >= n - at_kill, servers
     assert servers[a.url]["errors"] >= 1 and not servers[a.url]["healthy"], servers
-    assert k >= 4
     assert_each_index_once(out, n)
     assert_verify_ok(out)
     assert check_corpus(out, "speculators", inputs["mtbench"]) == n

@@ -65,7 +65,7 @@ def env_names(settings_cls):
 
 @pytest.fixture(scope="module")
 def public_paths():
-    from hsx_service.app import PUBLIC_PATHS
+    from hsx_service.guard import PUBLIC_PATHS
 
     assert {"/health", "/ready", "/metrics"} <= set(PUBLIC_PATHS)
     return set(PUBLIC_PATHS)
@@ -778,6 +778,7 @@ def deployment_args(compose) -> list[str]:
 
 
 @needs_vllm
+@pytest.mark.slow  # imports vLLM in a child process (10-20 s)
 def test_image_entrypoint_runs_outside_docker(dockerfile, compose, settings_cls):
     """The image's ENTRYPOINT + CMD, run with the image's HSX_* ENV and `--help` appended.
 

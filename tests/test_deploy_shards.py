@@ -27,7 +27,9 @@ import pytest
 
 from hsx_client.cli import build_extract_parser
 from hsx_client.merge import build_parser as build_merge_parser
-from hsx_client.shard import ShardSpec, resolve
+from hsx_client.plan import ShardSpec
+from hsx_client.settings import ClientSettings
+from hsx_client.shard import resolve
 from test_deploy import (  # noqa: F401  (fixtures are used by name)
     DEPLOY,
     DOCS,
@@ -106,10 +108,9 @@ def merge_job():
 
 
 def client_env_names() -> set[str]:
-    """HSX_* variables `hsx extract` reads: its parser's defaults and the shard count."""
-    names = set(re.findall(r'_env\("(HSX_\w+)"', (ROOT / "client" / "cli.py").read_text()))
+    """HSX_* variables `hsx extract` reads: ClientSettings' fields and the shard count."""
     assert "HSX_NUM_SHARDS" in (ROOT / "client" / "shard.py").read_text()
-    return names | {"HSX_NUM_SHARDS"}
+    return {"HSX_" + name.upper() for name in ClientSettings.model_fields} | {"HSX_NUM_SHARDS"}
 
 
 # --------------------------------------------------------------------------- schema and rendering

@@ -16,6 +16,8 @@ import safetensors.numpy
 from hsx import wire
 from hsx_client import extract as ex
 from hsx_client import store
+from hsx_client.plan import estimate_tokens, pending
+from hsx_client.verify import verify_corpus
 
 L, H = 4, 8
 
@@ -189,11 +191,37 @@ def test_full_run_and_verify(tmp_path, data):
     assert corpus["counts"]["done"] == N and corpus["model"] == "tiny" and corpus["seed"] == 7
     assert corpus["layer_ids"] == [1, 2, 3, 4] and "index.json" in corpus["finalize_files"]
     assert all(v == 1 for v in srv.requests.values()) and len(srv.requests) == N
-    rep = ex.verify_corpus(out, hooks(fmt))
+    rep = verify_corpus(out, lambda name: fmt)
     assert rep["ok"], rep
     # rerunning the finished command does nothing
     r2 = run(cfg_for(data, out), fmt, srv)
     assert r2.exit_code == 0 and sum(srv.requests.values()) == N
+
+
+def test_the_run_loop_reports_through_its_hooks(tmp_path, data):
+    """RunHooks: what the benchmark times the fan-out with, instead of overriding the loop."""
+    from hsx_client.run import RunHooks
+
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    srv.bad_ids = {3}
+    events = []
+    hooks_ = RunHooks(
+        on_start=lambda run: events.append(("start", len(run.queue))),
+        on_stored=lambda run, i, entry: events.append(("stored", i, entry["key"] == run.keys[i])),
+        on_failed=lambda run, i, entry: events.append(("failed", i, entry["kind"])),
+        on_end=lambda run: events.append(("end", len(run.done), len(run.failed))),
+    )
+    r = ex.run_extract(cfg_for(data, out), hooks(fmt), transport=httpx.MockTransport(srv), run_hooks=hooks_)
+    assert r.exit_code == 0 and r.summary["finalize_s"] >= 0
+    assert events[0] == ("start", N) and events[-1] == ("end", N - 1, 1)
+    stored = [e for e in events if e[0] == "stored"]
+    assert len(stored) == N - 1 and all(ok for _, _, ok in stored)
+    assert [e for e in events if e[0] == "failed"] == [("failed", plan_index_of(out, "in.jsonl:4"), "bad_request")]
+
+
+def plan_index_of(out, key):
+    return json.loads((out / "plan.json").read_text())["keys"].index(key)
 
 
 def test_crash_then_resume_gives_each_sample_once(tmp_path, data):
@@ -220,7 +248,7 @@ def test_crash_then_resume_gives_each_sample_once(tmp_path, data):
     redone = set(srv.requests)
     assert redone == {plan["keys"][i] for i in range(N) if i not in done1}  # only the missing ones
     assert not list(out.rglob(f"*{store.TMP_MARK}*"))
-    assert ex.verify_corpus(out, hooks(fmt))["ok"]
+    assert verify_corpus(out, lambda name: fmt)["ok"]
 
 
 def test_interrupt_then_resume(tmp_path, data):
@@ -259,7 +287,7 @@ def test_bad_request_recorded_and_skipped(tmp_path, data):
     assert all(f["kind"] == "bad_request" and f["status"] == 400 for f in failed)
     corpus = json.loads((out / "hsx_corpus.json").read_text())
     assert len(corpus["failed_indices"]) == 2 and corpus["counts"]["failed"] == 2
-    assert ex.verify_corpus(out, hooks(fmt))["ok"]
+    assert verify_corpus(out, lambda name: fmt)["ok"]
     srv.requests.clear()
     assert run(cfg_for(data, out), fmt, srv).exit_code == 0 and not srv.requests  # not retried
     srv.bad_ids = set()
@@ -291,7 +319,7 @@ def test_verify_finds_corruption_and_resume_redoes_exactly_those(tmp_path, data)
     flip.write_bytes(bytes(b))
     trunc = out / f"hs/hs_{10}.st"
     trunc.write_bytes(trunc.read_bytes()[:-7])
-    rep = ex.verify_corpus(out, hooks(fmt))
+    rep = verify_corpus(out, lambda name: fmt)
     assert not rep["ok"] and sorted(x["index"] for x in rep["bad"]) == [3, 10]
     assert (out / store.VERIFY_NAME).exists()
     srv.requests.clear()
@@ -299,7 +327,7 @@ def test_verify_finds_corruption_and_resume_redoes_exactly_those(tmp_path, data)
     assert r.exit_code == 0, r.summary
     assert set(srv.requests) == {done[3]["key"], done[10]["key"]}
     assert not (out / store.VERIFY_NAME).exists()
-    assert ex.verify_corpus(out, hooks(fmt))["ok"]
+    assert verify_corpus(out, lambda name: fmt)["ok"]
 
 
 def test_truncated_file_redone_on_resume_without_verify(tmp_path, data):
@@ -354,12 +382,17 @@ def test_servers_down_stops_resumable(tmp_path, data):
     assert r.exit_code == 0 and r.summary["done"] == N
 
 
+def test_pending_is_the_plan_order_minus_done_and_failed_with_an_optional_selection():
+    assert pending(6, {0: {}}, {2: {}}) == [1, 3, 4, 5]
+    assert pending(6, {0: {}}, {2: {}}, select=lambda i: i % 2 == 1) == [1, 3, 5]  # e.g. one shard of two
+
+
 def test_estimate_tokens():
-    assert ex.estimate_tokens({"input_ids": list(range(100))}, 50, None) == 50
-    assert ex.estimate_tokens({"prompt": "x" * 300}, None, None) == 101
+    assert estimate_tokens({"input_ids": list(range(100))}, 50, None) == 50
+    assert estimate_tokens({"prompt": "x" * 300}, None, None) == 101
     m = {"messages": [{"role": "user", "content": "a" * 90}, {"role": "assistant", "content": [{"type": "text", "text": "b" * 30}]}]}
-    assert ex.estimate_tokens(m, None, 20) == 20
-    assert ex.estimate_tokens(m, None, None) == (90 + 30 + 64) // 3 + 1
+    assert estimate_tokens(m, None, 20) == 20
+    assert estimate_tokens(m, None, None) == (90 + 30 + 64) // 3 + 1
 
 
 def test_cli_extract_and_verify(tmp_path, data, monkeypatch, capsys):
@@ -368,7 +401,9 @@ def test_cli_extract_and_verify(tmp_path, data, monkeypatch, capsys):
     fmt, srv = FakeFormat(), FakeServer()
     orig = ex.run_extract
     monkeypatch.setattr(ex, "run_extract", lambda cfg: orig(cfg, hooks(fmt), transport=httpx.MockTransport(srv)))
-    monkeypatch.setattr(ex, "default_hooks", lambda: hooks(fmt))
+    from hsx_client import formats
+
+    monkeypatch.setattr(formats, "get_format", lambda name: fmt)  # what `hsx verify` opens the corpus with
     out = tmp_path / "out"
     rc = cli.extract_main(["--server", "http://s1", "--input", str(data), "--output", str(out),
                            "--format", "speculators", "--layers", "4,2", "--quiet", "--json", "--no-shuffle"])

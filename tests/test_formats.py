@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from hsx_client import formats as fmt_mod
 from hsx_client import store
 from hsx_client.formats import (
     CorpusContext,
@@ -24,7 +23,7 @@ from hsx_client.formats import (
 from hsx_client.postnorm import FinalNorm, apply_final_norm
 from hsx_client.vocab import build_mappings
 
-from _corpus_helpers import FIXTURES, HIDDEN, LAYER_IDS, VOCAB, make_decoded, store_files
+from _corpus_helpers import FIXTURES, HIDDEN, LAYER_IDS, VOCAB, make_decoded, specforge_batches, store_files
 
 LENGTHS = [7, 33, 1, 120, 64, 5, 18]
 
@@ -260,10 +259,10 @@ def test_speculators_subset_is_compacted_crash_safely(tmp_path, monkeypatch):
             raise KeyboardInterrupt("simulated crash")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(fmt_mod.os, "replace", crashing_replace)
+    monkeypatch.setattr(os, "replace", crashing_replace)
     with pytest.raises(KeyboardInterrupt):
         f.finalize(tmp_path, records, ctx)
-    monkeypatch.setattr(fmt_mod.os, "replace", real_replace)
+    monkeypatch.setattr(os, "replace", real_replace)
     journal = json.loads((tmp_path / "hsx_compaction.json").read_text())
     assert journal["moves"] == [[5, 1], [6, 4]]
 
@@ -291,22 +290,7 @@ def test_speculators_subset_is_compacted_crash_safely(tmp_path, monkeypatch):
 
 def _specforge_batches(path: Path, max_len=4096):
     pytest.importorskip("specforge", reason="specforge 0.2.0 not installed")
-    from specforge.algorithms.builtin import builtin_algorithm_registry
-    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
-    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
-
-    reg = builtin_algorithm_registry()
-    algo = reg.resolve("eagle3")
-    provider = algo.providers.offline_for("text")
-    refs = provider.build_reader(str(path), run_id="t", ttt_length=7, max_len=max_len).read()
-    loader = FeatureDataLoader(
-        LocalFeatureStore("t"), refs=refs, batch_size=1,
-        collate_fn=provider.build_collator(),
-        per_sample_transform=provider.build_normalizer(max_len, ttt_length=7, use_usp_preprocess=False),
-        drop_last=False, strategy="eagle3",
-    )
-    files = {r.sample_id: r.feature_store_uri[len("file://"):] for r in refs}
-    return [(files[b.sample_ids[0]], b.tensors) for b in loader]
+    return specforge_batches(path, max_len)
 
 
 @pytest.mark.parametrize("style", ["rms", "gemma"])

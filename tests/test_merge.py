@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from hsx_client import store
-from hsx_client.extract import _compaction_moves, verify_corpus
+from hsx_client.verify import compaction_moves, verify_corpus
 from hsx_client.formats import get_format
 from hsx_client.merge import main as merge_main
 from hsx_client.merge import run_merge
@@ -39,7 +39,7 @@ def samples_by_key(out: Path) -> dict[str, dict]:
     fmt_name = plan["settings"]["format"]
     entries, _, _ = store.read_jsonl(out / "manifest.jsonl")
     done = store.latest_by_index(entries)
-    moves = _compaction_moves(out)
+    moves = compaction_moves(out)
     res = {}
     if fmt_name == "speculators":
         import datasets
@@ -142,7 +142,7 @@ def test_failed_samples_are_left_out_and_listed(tmp_path, inputs):
     plan_keys = json.loads((shards[0] / "plan.json").read_text())["keys"]
     shutil.rmtree(shards[0])  # shard 0 again, with its first two samples failing for good
     extract(shards[0], inputs, shard=(0, 2), max_samples=12, server=FakeHsx(fail_keys=set(plan_keys[:2])))
-    assert _compaction_moves(shards[0]), "expected finalize to renumber"
+    assert compaction_moves(shards[0]), "expected finalize to renumber"
     out = tmp_path / "merged"
     r = run_merge(out, shards)
     assert r.exit_code == 0, r.summary

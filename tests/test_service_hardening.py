@@ -9,7 +9,6 @@ import asyncio
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -17,7 +16,7 @@ import psutil
 import pytest
 
 from _reference import per_layer_rel_err, reference_states
-from _server import ServerProcess, engine_env
+from _server import ServerProcess, engine_env, eventually, metrics_async, wait_until
 from conftest import need_vllm
 from hsx.wire import decode
 
@@ -35,14 +34,6 @@ def tree_rss(pid: int) -> int:
         except psutil.Error:
             pass
     return total
-
-
-def metric(server, name: str, auth=None) -> float:
-    text = httpx.get(server.url + "/metrics", headers=auth or {}).text
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.split()[-1])
-    raise KeyError(name)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +122,7 @@ def test_layer_subset_limit(guarded):
 
 async def test_flood_gets_503_not_5xx_and_memory_stays_bounded(guarded, tiny_model):
     rng = random.Random(5)
+    rejected_before = sum(guarded.metrics().by_label("hsx_rejected_total", "reason").values())
     before = tree_rss(guarded.proc.pid)
     bodies = [{"input_ids": [1] + [rng.randrange(6, 1000) for _ in range(rng.randrange(100, 500))]}
               for _ in range(48)]  # 12x the in-flight bound of 4, at once
@@ -156,8 +148,11 @@ async def test_flood_gets_503_not_5xx_and_memory_stays_bounded(guarded, tiny_mod
         ref = reference_states(str(tiny_model), b["input_ids"], d.layer_ids)
         assert max(per_layer_rel_err(d.hidden_states, ref)) < 1e-4
     assert after - before < 400 * 2**20
-    assert metric(guarded, "hsx_inflight_requests") == 0
-    assert metric(guarded, "hsx_arena_used_bytes") == 0
+    m = guarded.metrics()
+    assert m.get("hsx_inflight_requests") == 0 and m.get("hsx_arena_used_bytes") == 0
+    # every 503 sent is counted (the flood's come from the door, the token budget or the arena)
+    rejected = sum(m.by_label("hsx_rejected_total", "reason").values()) - rejected_before
+    assert rejected == statuses.count(503)
 
 
 # ---------------------------------------------------------------------- cancellation
@@ -168,25 +163,24 @@ async def test_client_disconnect_aborts_engine_request(guarded):
     # the engine, not after a fixed wait: a fast machine can finish all four in 0.1 s.
     rng = random.Random(7)
     bodies = [{"input_ids": [1] + [rng.randrange(6, 1000) for _ in range(590)]} for _ in range(4)]
+    async def in_engine() -> bool:
+        return (await metrics_async(probe, guarded.url)).get("hsx_engine_requests") > 0
+
     async with httpx.AsyncClient(timeout=120, headers=AUTH) as client, httpx.AsyncClient() as probe:
         calls = [asyncio.ensure_future(client.post(guarded.url + "/hidden_states", json=b)) for b in bodies]
-        deadline = time.monotonic() + 30
-        while "\nhsx_engine_requests 0.0" in (await probe.get(guarded.url + "/metrics")).text:
-            assert time.monotonic() < deadline, "no request reached the engine in 30 s"
+        await eventually(in_engine, 30, "a request reached the engine")
         for call in calls:
             call.cancel()  # closes that connection mid-request
         rs = await asyncio.gather(*calls, return_exceptions=True)
     hung_up = [r for r in rs if isinstance(r, asyncio.CancelledError)]
     assert hung_up, f"every request finished before the clients hung up: {rs}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if (metric(guarded, "hsx_engine_requests") == 0 and metric(guarded, "hsx_inflight_requests") == 0
-                and metric(guarded, "hsx_arena_used_bytes") == 0):
-            break
-        await asyncio.sleep(0.2)
-    assert metric(guarded, "hsx_engine_requests") == 0
-    assert metric(guarded, "hsx_arena_used_bytes") == 0
-    assert metric(guarded, 'hsx_requests_total{status="disconnected"}') >= 1
+
+    def settled() -> bool:
+        m = guarded.metrics()
+        return all(m.get(k) == 0 for k in ("hsx_engine_requests", "hsx_inflight_requests", "hsx_arena_used_bytes"))
+
+    wait_until(settled, 30, "the engine, the gate and the arena emptied after the hang-ups")
+    assert guarded.metrics().get("hsx_requests_total", status="disconnected") >= 1
     assert post(guarded, {"input_ids": [1, 2, 3]}).status_code == 200
 
 
@@ -203,14 +197,19 @@ async def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(tiny_model, l
         async with httpx.AsyncClient(timeout=120) as client:
             inflight = [asyncio.ensure_future(client.post(server.url + "/hidden_states", json={"input_ids": p}))
                         for p in prompts]
+
+            async def all_admitted() -> bool:
+                return (await metrics_async(client, server.url)).get("hsx_queued_tokens") == 12 * 901
+
+            async def draining() -> bool:
+                return (await client.get(server.url + "/ready")).status_code == 503
+
             # All admitted (12 x 900 tokens at 16 tokens per engine step: hundreds of steps) ...
-            deadline = time.monotonic() + 30
-            while "\nhsx_inflight_requests 12.0" not in (await client.get(server.url + "/metrics")).text:
-                assert time.monotonic() < deadline, "the 12 requests were not admitted in 30 s"
+            await eventually(all_admitted, 30, "the 12 requests admitted")
             server.signal(signal.SIGTERM)
             # ... then the drain starts as soon as the signal is handled.
-            while (ready := await client.get(server.url + "/ready")).status_code == 200:
-                assert time.monotonic() < deadline + 10, "SIGTERM did not start the drain"
+            await eventually(draining, 10, "SIGTERM started the drain")
+            ready = await client.get(server.url + "/ready")
             new = await client.post(server.url + "/hidden_states", json={"input_ids": [1, 2, 3]})
             done = await asyncio.gather(*inflight)
         assert ready.status_code == 503 and ready.json()["status"] == "draining"
@@ -244,17 +243,16 @@ async def test_injected_engine_failure_gives_500_health_503_and_nonzero_exit(tin
                 assert r.status_code in (500, 503), r.text
                 assert "Traceback" not in r.text and "injected" not in r.text
             assert rs[0].status_code == 500 and rs[0].json()["error"]["type"] == "engine_error"
-            deadline = time.monotonic() + 30
-            health = None
-            while time.monotonic() < deadline:
+            health: list[int | None] = []
+
+            async def dead_or_gone() -> bool:
                 try:
-                    health = (await client.get(server.url + "/health")).status_code
+                    health.append((await client.get(server.url + "/health")).status_code)
                 except httpx.HTTPError:
-                    break  # already exited
-                if health == 503:
-                    break
-                await asyncio.sleep(0.1)
-            assert health in (503, None)
+                    health.append(None)  # already exited
+                return health[-1] in (503, None)
+
+            await eventually(dead_or_gone, 30, "/health reported the dead engine")
         code = server.proc.wait(60)
         assert code not in (0, None), code
     finally:

@@ -8,12 +8,8 @@ import sys
 import pytest
 
 from _server import engine_env
-from hsx_service.engine import (
-    check_parallelism,
-    check_vllm_version,
-    default_layers,
-    resolve_layers,
-)
+from hsx.layers import default_layers
+from hsx_service.engine import check_parallelism, check_vllm_version, resolve_layers
 from hsx_service.errors import StartupError
 
 
@@ -53,39 +49,59 @@ def test_parallelism_rules():
     check_parallelism("0.26.0", 1, 1)
 
 
-def _serve(*args, timeout=240):
+# Settings `hsx serve` refuses before any engine starts. Each case is its own process
+# (each imports vLLM: 10-20 s on a 2-core box), so they all start at once on first use.
+REFUSED = {
+    "layer_out_of_range": lambda model, tmp: [model, "--layers", "2,7"],
+    "pipeline_parallel": lambda model, tmp: [model, "--pipeline-parallel-size", "2"],
+    "no_eagle3_interface": lambda model, tmp: [str(tmp)],
+    "missing_model": lambda model, tmp: ["/no/such/model"],
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tiny_model, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install '.[cpu]')")
-    return subprocess.run([sys.executable, "-m", "hsx.cli", "serve", *args], capture_output=True, text=True,
-                          timeout=timeout, env=engine_env())
+    from transformers import GPT2Config
+
+    gpt2 = tmp_path_factory.mktemp("gpt2")
+    GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100).save_pretrained(gpt2)
+    procs = {
+        name: subprocess.Popen([sys.executable, "-m", "hsx.cli", "serve", *argv(str(tiny_model), gpt2), "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env())
+        for name, argv in REFUSED.items()
+    }
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=300)
+        out[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return out
 
 
 @pytest.mark.engine
-def test_serve_refuses_layer_out_of_range(tiny_model):
-    r = _serve(str(tiny_model), "--layers", "2,7", "--port", "0")
+def test_serve_refuses_layer_out_of_range(refusals):
+    r = refusals["layer_out_of_range"]
     assert r.returncode == 2, r.stderr[-2000:]
     assert "outside 0..6" in r.stderr
 
 
 @pytest.mark.engine
-def test_serve_refuses_pipeline_parallel(tiny_model):
-    r = _serve(str(tiny_model), "--pipeline-parallel-size", "2", "--port", "0")
-    assert r.returncode == 2 and "pipeline parallel" in r.stderr
+def test_serve_refuses_pipeline_parallel(refusals):
+    r = refusals["pipeline_parallel"]
+    assert r.returncode == 2 and "pipeline parallel" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.engine
-def test_serve_refuses_architecture_without_eagle3_interface(tmp_path):
-    from transformers import GPT2Config
-
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100)
-    cfg.save_pretrained(tmp_path)
-    r = _serve(str(tmp_path), "--port", "0")
+def test_serve_refuses_architecture_without_eagle3_interface(refusals):
+    r = refusals["no_eagle3_interface"]
     assert r.returncode == 2, r.stderr[-2000:]
     assert "does not implement vLLM's EAGLE-3" in r.stderr and "GPT2" in r.stderr
 
 
-def test_serve_refuses_missing_model():
-    r = _serve("/no/such/model", "--port", "0", timeout=120)
-    assert r.returncode == 2 and "does not exist" in r.stderr
+@pytest.mark.engine
+def test_serve_refuses_missing_model(refusals):
+    r = refusals["missing_model"]
+    assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr[-2000:]
 
 
 def test_settings_from_environment(monkeypatch):

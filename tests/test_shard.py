@@ -10,7 +10,8 @@ import pytest
 
 from hsx_client import extract as ex
 from hsx_client.cli import extract_main
-from hsx_client.shard import ShardError, ShardSpec, bounds, resolve
+from hsx_client.plan import ShardError, ShardSpec, shard_bounds
+from hsx_client.shard import resolve
 from _shard_helpers import FakeHsx, extract, write_inputs
 
 
@@ -60,7 +61,7 @@ def test_cli_refuses_a_bad_shard_in_one_line(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("n, count", [(10, 3), (7, 7), (1000, 16), (5, 1)])
 def test_slices_cover_the_plan_once_and_differ_by_at_most_one(n, count):
-    slices = [bounds(ShardSpec(i, count), n) for i in range(count)]
+    slices = [shard_bounds(ShardSpec(i, count), n) for i in range(count)]
     assert slices[0][0] == 0 and slices[-1][1] == n
     assert all(a[1] == b[0] for a, b in zip(slices, slices[1:]))
     sizes = [b - a for a, b in slices]

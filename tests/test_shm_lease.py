@@ -13,7 +13,6 @@ import asyncio
 import json
 import random
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -21,13 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from _server import ServerProcess
+from _server import Servers, ServerProcess, eventually, wait_until
 from conftest import need_vllm
 from hsx import wire
-from hsx_client import shm
+from hsx_client import formats, shm
 from hsx_client.api import HsxClient
 from hsx_client.errors import LeaseExpiredError
-from hsx_service.arena import SharedArena
+from hsx_client.verify import verify_corpus
+from hsx_service.arena import ALIGN, Allocator, SharedArena
 from hsx_service.lease import ArenaSocket, Leases, boot_id
 
 KEY = "lease-key-0123456789"
@@ -37,15 +37,17 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # ------------------------------------------------------------------------------ units
 
 async def test_leases_release_once_and_expire():
-    ended: list[tuple[str, str]] = []
-    leases = Leases(timeout=0.2)
-    a = leases.grant(lambda outcome: ended.append(("a", outcome)))
-    b = leases.grant(lambda outcome: ended.append(("b", outcome)))
-    assert a != b and len(a) == 32 and len(leases) == 2
+    ended: list[str] = []
+    allocator = Allocator(1 << 20)
+    leases = Leases(timeout=0.2, on_end=ended.append)
+    a = leases.grant(allocator.reserve(100))
+    b = leases.grant(allocator.reserve(100))
+    assert a != b and len(a) == 32 and len(leases) == 2 and allocator.used == 2 * ALIGN
     assert leases.release(a) is True
     assert leases.release(a) is False  # a second release: the range may be someone else's now
-    await asyncio.sleep(0.4)
-    assert ended == [("a", "released"), ("b", "expired")]
+    assert allocator.used == ALIGN
+    await asyncio.sleep(0.4)  # on this loop the 0.2 s expiry timer always fires first
+    assert ended == ["released", "expired"] and allocator.used == 0
     assert leases.release(b) is False and len(leases) == 0
 
 
@@ -119,6 +121,7 @@ def _prompts(n: int, seed: int, lo: int = 5, hi: int = 300) -> list[list[int]]:
     return [[1] + [rng.randrange(6, 1000) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
+@pytest.mark.engine
 async def test_leased_states_equal_the_http_body(tiny_server):
     info = httpx.get(tiny_server.url + "/info").json()
     assert info["shm_lease"]["socket"].startswith("@hsx-lease-") and info["shm_lease"]["boot_id"] == boot_id()
@@ -141,48 +144,71 @@ async def test_leased_states_equal_the_http_body(tiny_server):
         assert r.lease is None and r.decode().hidden_states.shape[0] == 3
     gone = httpx.delete(tiny_server.url + "/leases/" + "ab" * 16)
     assert gone.status_code == 410 and gone.json()["error"]["type"] == "lease_gone"
-    text = httpx.get(tiny_server.url + "/metrics").text
-    assert 'hsx_leases_total{outcome="released"}' in text and "hsx_leases_live 0.0" in text
+    m = tiny_server.metrics()
+    assert m.get("hsx_leases_total", outcome="released") >= 6 and m.get("hsx_leases_live") == 0
 
 
-# ------------------------------------------------------------- a server of its own
+# ------------------------------------------------------------- servers of their own
+#
+# Expiry is waited for as an event (the server's own count of expired leases), never as
+# a sleep longer than the timeout, so nothing here depends on how loaded the machine is:
+# a store that must outlast its lease waits until the server says it expired. The
+# timeout only has to be long enough for the other samples' stores (3 s, for a few KB).
+
+LEASE_TIMEOUT = 3.0
+
+
+def _start_leasing(tiny_model, log_dir) -> ServerProcess:
+    """API key (so the socket wants it too) and a short lease timeout."""
+    return ServerProcess(
+        str(tiny_model), "--dtype", "float32", "--max-model-len", "1024", "--layers", "1,2,4,6", "--api-key", KEY,
+        "--lease-timeout", str(LEASE_TIMEOUT), "--arena-bytes", str(16 << 20), "--shutdown-timeout", "30",
+        log_dir=log_dir, name="leasing",
+    ).wait_ready()
+
 
 @pytest.fixture(scope="module")
-def leasing(tiny_model, log_dir):
-    """API key (so the socket wants it too) and a short lease timeout."""
+def leasing_servers(tiny_model, log_dir):
     need_vllm()
-    server = ServerProcess(
-        str(tiny_model), "--dtype", "float32", "--max-model-len", "1024", "--layers", "1,2,4,6", "--api-key", KEY,
-        "--lease-timeout", "1.5", "--arena-bytes", str(16 << 20), "--shutdown-timeout", "30",
-        log_dir=log_dir, name="leasing",
-    )
-    yield server.wait_ready()
-    server.stop()
+    servers = Servers(lambda: _start_leasing(tiny_model, log_dir))
+    yield servers
+    servers.stop_all()
 
 
-def _metric(server, name: str) -> float:
-    for line in httpx.get(server.url + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.split()[-1])
-    raise KeyError(name)
+@pytest.fixture
+def leasing(leasing_servers) -> ServerProcess:
+    return leasing_servers.shared()
 
 
+@pytest.fixture
+def leasing_to_stop(leasing_servers) -> ServerProcess:
+    """A leasing server this test may stop; the tests after it get a fresh one."""
+    return leasing_servers.to_stop()
+
+
+def _expired(server) -> float:
+    return server.metrics().get("hsx_leases_total", 0, outcome="expired")
+
+
+@pytest.mark.engine
 async def test_expired_lease_answers_410_and_its_range_comes_back(leasing):
     offer = httpx.get(leasing.url + "/info", headers=AUTH).json()["shm_lease"]
     with pytest.raises(shm.ShmUnavailable, match="refused"):
         shm.attach(offer, "not-the-key")
+    before = _expired(leasing)
     async with HsxClient(leasing.url, api_key=KEY) as client:
         r = await client.hidden_states_response({"input_ids": [1, 9, 10, 11]}, lease_ok=True)
         assert r.lease is not None
-        assert _metric(leasing, "hsx_arena_used_bytes") > 0 and _metric(leasing, "hsx_leases_live") == 1
-        await asyncio.sleep(2.5)
+        m = leasing.metrics()
+        assert m.get("hsx_arena_used_bytes") > 0 and m.get("hsx_leases_live") == 1
+        await asyncio.to_thread(wait_until, lambda: _expired(leasing) > before, 10 * LEASE_TIMEOUT,
+                                "the server expired the lease")
         with pytest.raises(LeaseExpiredError) as err:
             await client.release_lease(r.lease)
         assert err.value.status == 410
-    assert _metric(leasing, "hsx_arena_used_bytes") == 0
-    assert _metric(leasing, "hsx_leases_live") == 0
-    text = httpx.get(leasing.url + "/metrics").text
-    assert 'hsx_leases_total{outcome="expired"} 1.0' in text
+    m = leasing.metrics()
+    assert m.get("hsx_arena_used_bytes") == 0 and m.get("hsx_leases_live") == 0
+    assert _expired(leasing) == before + 1
     assert httpx.delete(leasing.url + "/leases/x").status_code == 401  # releases need the key too
 
 
@@ -199,30 +225,38 @@ def _extract_with(server, fmt, prompts: list[list[int]], tmp_path: Path):
     return hx.run_extract(cfg, hooks)
 
 
+class OutlastsItsLease(formats.SpeculatorsFormat):
+    """A store that, for the samples `slow(index, times_seen)` picks, ends only after the
+    server has expired the lease it reads under (a slow disk, made certain). Only those
+    leases expire, so the k-th slow store waits for the k-th expiry since the start."""
+
+    def __init__(self, server, slow):
+        self.server, self.slow, self.seen = server, slow, {}
+        self.expired_at_start, self.slow_stores = _expired(server), 0
+
+    def encode_sample(self, index, decoded, ctx):
+        self.seen[index] = self.seen.get(index, 0) + 1
+        if self.slow(index, self.seen[index]):
+            self.slow_stores += 1
+            wait_until(lambda: _expired(self.server) >= self.expired_at_start + self.slow_stores,
+                       10 * LEASE_TIMEOUT, "the server expired the lease")
+        return super().encode_sample(index, decoded, ctx)
+
+
+@pytest.mark.engine
 def test_a_sample_whose_lease_expired_is_redone(leasing, tmp_path, caplog):
-    """The first store outlives the lease (slow disk): the release answers 410, the
-    client asks again, and the corpus ends complete and correct."""
-    from hsx_client import extract as hx
-    from hsx_client import formats
-
-    class SlowFirst(formats.SpeculatorsFormat):
-        slept = 0
-
-        def encode_sample(self, index, decoded, ctx):
-            if not SlowFirst.slept:
-                SlowFirst.slept = 1
-                time.sleep(2.5)
-            return super().encode_sample(index, decoded, ctx)
-
+    """The first store outlives the lease: the release answers 410, the client asks
+    again, and the corpus ends complete and correct."""
     prompts = _prompts(6, seed=3, lo=5, hi=120)
     out = tmp_path / "corpus"
+    fmt = OutlastsItsLease(leasing, lambda index, times: index == 0 and times == 1)
     with caplog.at_level("WARNING", logger="hsx.extract"):
-        result = _extract_with(leasing, SlowFirst(), prompts, tmp_path)
+        result = _extract_with(leasing, fmt, prompts, tmp_path)
     assert result.exit_code == 0, result.summary
-    assert any("lease expired" in r.getMessage() for r in caplog.records)
+    assert fmt.seen[0] == 2 and any("lease expired" in r.getMessage() for r in caplog.records)
     lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
     assert sorted(e["index"] for e in lines) == list(range(6))  # each once
-    report = hx.verify_corpus(out)
+    report = verify_corpus(out)
     assert report["ok"] and report["done"] == 6, report
     from safetensors import safe_open
 
@@ -231,34 +265,30 @@ def test_a_sample_whose_lease_expired_is_redone(leasing, tmp_path, caplog):
             assert f.get_tensor("token_ids").tolist() == p
 
 
+@pytest.mark.engine
 def test_a_store_that_always_outlasts_its_lease_fails_that_sample_with_the_fix(leasing, tmp_path):
-    from hsx_client import formats
-
-    class AlwaysSlowOnZero(formats.SpeculatorsFormat):
-        def encode_sample(self, index, decoded, ctx):
-            if index == 0:
-                time.sleep(2.0)  # > --lease-timeout 1.5
-            return super().encode_sample(index, decoded, ctx)
-
     out = tmp_path / "corpus"
-    result = _extract_with(leasing, AlwaysSlowOnZero(), _prompts(3, seed=4, lo=5, hi=60), tmp_path)
+    fmt = OutlastsItsLease(leasing, lambda index, times: index == 0)
+    result = _extract_with(leasing, fmt, _prompts(3, seed=4, lo=5, hi=60), tmp_path)
     assert result.summary["done"] == 2 and result.summary["failed"] == 1, result.summary
     failed = [json.loads(x) for x in (out / "failed.jsonl").read_text().splitlines()]
     assert [(f["index"], f["kind"]) for f in failed] == [(0, "lease_expired")]
-    assert "3 times" in failed[0]["message"] and "--lease-timeout" in failed[0]["message"]
+    assert fmt.seen[0] == 3 and "3 times" in failed[0]["message"] and "--lease-timeout" in failed[0]["message"]
 
 
-async def test_sigterm_waits_for_a_held_lease(leasing):
-    """Last in this module: it stops the server."""
-    async with HsxClient(leasing.url, api_key=KEY) as client:
+@pytest.mark.engine
+async def test_sigterm_waits_for_a_held_lease(leasing_to_stop):
+    server = leasing_to_stop
+
+    async def draining() -> bool:
+        return (await probe.get(server.url + "/ready")).json()["status"] == "draining"
+
+    async with HsxClient(server.url, api_key=KEY) as client, httpx.AsyncClient() as probe:
         r = await client.hidden_states_response({"input_ids": [1, 12, 13]}, lease_ok=True)
         assert r.lease is not None
-        leasing.signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while httpx.get(leasing.url + "/ready").json()["status"] != "draining":
-            assert time.monotonic() < deadline, "SIGTERM did not start the drain in 10 s"
-            await asyncio.sleep(0.05)
+        server.signal(signal.SIGTERM)
+        await eventually(draining, 10, "SIGTERM started the drain")
         await asyncio.sleep(0.3)
-        assert leasing.proc.poll() is None  # still there for the lease holder
+        assert server.proc.poll() is None  # still there for the lease holder
         await client.release_lease(r.lease)
-    assert leasing.proc.wait(30) == 0
+    assert server.proc.wait(30) == 0

@@ -58,6 +58,27 @@ def test_clean_temp_files(tmp_path):
     assert not left.exists() and keep.exists()
 
 
+def test_a_formats_own_temp_names_are_cleaned_after_a_crash(tmp_path, monkeypatch):
+    """finalize's scratch table dir and its atomic single files use the store's names, so
+    what a crash leaves of them goes with the next run's clean-up, like sample files."""
+    scratch = store.temp_dir(tmp_path, "hsx_finalize")
+    (scratch / "table").mkdir()
+    (scratch / "table" / "data-00000-of-00001.arrow").write_bytes(b"half a table")
+
+    def crash(src, dst):
+        raise KeyboardInterrupt  # a kill between the write and the rename
+
+    monkeypatch.setattr(store.os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        store.write_file_atomic(tmp_path / "vocab_mapping" / "vocab_mapping.pt", b"x" * 10)
+    monkeypatch.undo()
+    # write_files_atomic removes its temp file on the way out; a kill -9 would not
+    stray = tmp_path / "vocab_mapping" / f".vocab_mapping.pt{store.TMP_MARK}999-beef"
+    stray.write_bytes(b"x")
+    assert store.clean_temp_files(tmp_path) == 2
+    assert not scratch.exists() and not stray.exists() and not _tmp_files(tmp_path)
+
+
 def test_manifest_torn_line_recovery(tmp_path):
     p = tmp_path / "manifest.jsonl"
     log = store.JsonlLog(p)

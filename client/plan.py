@@ -1,0 +1,376 @@
+"""The plan of a corpus run, and what of it is still to do.
+
+The plan (`plan.json`, written before any extraction): the settings that shape the corpus
+and the key of every planned sample by final index. On a new dir the sample keys are
+shuffled with `--seed` (unless `--no-shuffle`) and cut to `--max-samples`. On an existing
+dir the saved plan is reused as it is: a flag given with a value different from the
+plan's is refused, naming the setting; a flag left out takes the plan's value (so
+`hsx extract --resume --output DIR --server URL` is enough).
+
+What is done: the manifest (last line per index wins), minus samples whose files are
+missing or have another size than recorded, minus those `hsx verify` listed in
+`verify.json` (turned into manifest "invalid" lines, then the file removed), minus all
+that fail the full check when `--verify` is given. What is to do: every planned index
+neither done nor failed for good (`pending`).
+
+Shards (`hsx extract --shard I/N`; hsx_client.shard says where I and N come from): every
+node plans the same global sample list as above, then keeps shard I of it, the contiguous
+slice `[I*n//N, (I+1)*n//N)`. Contiguous slices keep the global order when `hsx merge`
+concatenates the shards (a merged corpus is then row for row what one client would have
+written), and sizes differ by at most one sample. A shard's plan.json also holds
+
+    "shard": {"index", "count", "start", "stop", "global_samples",
+              "global_keys_sha256", "global_fingerprint"}
+
+`global_keys_sha256` hashes the whole global key list; `global_fingerprint` hashes it with
+the settings, the inputs' fingerprint and the model. `hsx merge` proves with them that the
+shards come from one plan and cover it exactly once.
+
+Token estimate for the disk check: `input_ids` length, else characters / 3 of the prompt,
+messages and tools (+8 per message), capped at `--max-length` and the server's
+max_model_len. Characters / 3 over-counts typical English (~4 chars/token): on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import store
+
+PLAN_VERSION = 1
+
+# Settings a plan fixes, with their defaults; the value None on the command line means
+# "not given".
+SETTING_DEFAULTS: dict[str, Any] = {
+    "format": None,
+    "mask_policy": "per_turn",
+    "max_length": None,
+    "truncation": "right",
+    "layers": None,
+    "draft_vocab_size": None,
+    "seed": 0,
+    "shuffle": True,
+    "max_samples": None,
+}
+PLAN_KEYS = tuple(SETTING_DEFAULTS)
+# Failures the next run retries by itself (the others only with --retry-failed).
+RETRIED_KINDS = ("server_error", "lease_expired")
+
+
+class ConfigError(Exception):
+    """The run cannot start as asked (exit 2)."""
+
+
+class ShardError(ConfigError):
+    """The shard cannot be chosen or does not fit the plan (exit 2)."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ShardError(f"the shard count must be at least 1, got {self.count}")
+        if not 0 <= self.index < self.count:
+            raise ShardError(f"shard index {self.index} is outside 0..{self.count - 1} ({self.count} shards)")
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+# ---------------------------------------------------------------- the plan
+def load_plan(out: Path) -> dict[str, Any] | None:
+    p = Path(out) / store.PLAN_NAME
+    if not p.exists():
+        return None
+    with open(p) as f:
+        plan = json.load(f)
+    if plan.get("version") != PLAN_VERSION:
+        raise ConfigError(f"{p} has plan version {plan.get('version')}, this client writes {PLAN_VERSION}")
+    return plan
+
+
+def resolve_settings(given: dict[str, Any], plan: dict[str, Any] | None, out: Path) -> dict[str, Any]:
+    """Merge the command line (`given`: PLAN_KEYS -> value or None) with the plan: given
+    flags must agree with it; missing ones come from it, else the defaults."""
+    if plan is None:
+        return {k: (v if v is not None else SETTING_DEFAULTS[k]) for k, v in given.items()}
+    saved = plan["settings"]
+    diffs = []
+    for k, v in given.items():
+        if v is not None and k in saved and saved[k] is not None and v != saved[k]:
+            diffs.append(f"--{k.replace('_', '-')}: the plan has {saved[k]!r}, this run asks {v!r}")
+        elif v is not None and k in saved and saved[k] is None and v != SETTING_DEFAULTS[k]:
+            diffs.append(f"--{k.replace('_', '-')}: the plan has none, this run asks {v!r}")
+    if diffs:
+        raise ConfigError(
+            f"{out} holds a run made with other settings; resume with the same flags or use a "
+            "new --output:\n  " + "\n  ".join(diffs)
+        )
+    return {k: saved.get(k, SETTING_DEFAULTS[k]) for k in PLAN_KEYS}
+
+
+def served_layers(asked: list[int] | None, info: dict[str, Any]) -> list[int]:
+    """The run's layers: those asked (each must be served), else all the server serves."""
+    served = [int(x) for x in info["layer_ids"]]
+    if asked is None:
+        return served
+    layers = sorted(int(x) for x in asked)
+    missing = [x for x in layers if x not in served]
+    if missing:
+        raise ConfigError(f"--layers {layers}: the server serves layers {served}, not {missing}")
+    return layers
+
+
+def inputs_fingerprint(samples: list[Any]) -> str:
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(s.key.encode())
+        h.update(b"\0")
+        h.update(json.dumps(s.request, sort_keys=True, separators=(",", ":")).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def normalize_input(path: str) -> str:
+    return os.path.abspath(path) if os.path.exists(path) else path
+
+
+@dataclass
+class Samples:
+    """What the inputs hold: the samples by key, their fingerprint, the rows skipped."""
+
+    by_key: dict[str, Any]
+    fingerprint: str
+    count: int
+    bad_rows: int
+
+    @classmethod
+    def read(cls, read_samples: Callable[..., list[Any]], inputs: list[str], mask_policy: str) -> "Samples":
+        bad_rows: list[Any] = []
+        samples = read_samples(inputs, mask_policy=mask_policy, bad_rows=bad_rows)
+        by_key = {s.key: s for s in samples}
+        if len(by_key) != len(samples):
+            raise ConfigError("the inputs produced duplicate sample keys")
+        return cls(by_key, inputs_fingerprint(samples), len(samples), len(bad_rows))
+
+
+def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info: dict[str, Any],
+             shard: ShardSpec | None = None) -> dict[str, Any]:
+    keys = list(samples.by_key)
+    if settings["shuffle"]:
+        random.Random(settings["seed"]).shuffle(keys)
+    if settings["max_samples"] is not None:
+        keys = keys[: settings["max_samples"]]
+    keys, section = take_shard(keys, shard, settings=settings, inputs_sha256=samples.fingerprint,
+                               model=info.get("model"), model_revision=info.get("model_revision"))
+    plan = {
+        "version": PLAN_VERSION,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "settings": settings,
+        "inputs": inputs,
+        "inputs_sha256": samples.fingerprint,
+        "num_input_samples": samples.count,
+        "bad_rows": samples.bad_rows,
+        "model": info.get("model"),
+        "model_revision": info.get("model_revision"),
+        "keys": keys,
+    }
+    if section:
+        plan["shard"] = section
+    return plan
+
+
+def check_resumable(plan: dict[str, Any], inputs: list[str], samples: Samples, info: dict[str, Any],
+                    layers: list[int], out: Path, shard: ShardSpec | None = None) -> None:
+    problems = []
+    if plan.get("inputs_sha256") != samples.fingerprint:
+        problems.append(
+            f"the inputs differ from the plan's ({plan.get('num_input_samples')} samples from "
+            f"{plan.get('inputs')}, now {samples.count} from {inputs})"
+        )
+    for k in ("model", "model_revision"):
+        if plan.get(k) != info.get(k):
+            problems.append(f"{k}: the plan has {plan.get(k)!r}, the server has {info.get(k)!r}")
+    if plan["settings"].get("layers") != layers:
+        problems.append(f"layers: the plan has {plan['settings'].get('layers')}, now {layers}")
+    problems += shard_resume_problems(plan, shard)
+    if problems:
+        raise ConfigError(f"cannot resume {out}:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------- shards
+def keys_digest(keys: list[str]) -> str:
+    h = hashlib.sha256()
+    for k in keys:
+        h.update(k.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def global_fingerprint(keys_sha256: str, num_samples: int, settings: dict[str, Any], inputs_sha256: str,
+                       model: Any, model_revision: Any) -> str:
+    """What makes two global plans the same: the key list, the settings, the inputs, the model."""
+    doc = {"keys_sha256": keys_sha256, "num_samples": num_samples, "settings": dict(settings),
+           "inputs_sha256": inputs_sha256, "model": model, "model_revision": model_revision}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def shard_bounds(spec: ShardSpec, n: int) -> tuple[int, int]:
+    return spec.index * n // spec.count, (spec.index + 1) * n // spec.count
+
+
+def take_shard(keys: list[str], spec: ShardSpec | None, *, settings: dict[str, Any], inputs_sha256: str,
+               model: Any, model_revision: Any) -> tuple[list[str], dict[str, Any] | None]:
+    """(this shard's keys, the plan's "shard" section) from the global key list."""
+    if spec is None:
+        return keys, None
+    n = len(keys)
+    if n < spec.count:
+        raise ShardError(f"--shard {spec}: the global plan holds {n} sample(s), fewer than {spec.count} shards; "
+                         f"use at most {n} shards")
+    start, stop = shard_bounds(spec, n)
+    digest = keys_digest(keys)
+    return keys[start:stop], {
+        "index": spec.index,
+        "count": spec.count,
+        "start": start,
+        "stop": stop,
+        "global_samples": n,
+        "global_keys_sha256": digest,
+        "global_fingerprint": global_fingerprint(digest, n, settings, inputs_sha256, model, model_revision),
+    }
+
+
+def shard_resume_problems(plan: dict[str, Any], spec: ShardSpec | None) -> list[str]:
+    """Why an existing plan cannot be continued as `spec` (empty: it can)."""
+    if plan.get("merge"):
+        return ["it is a merged corpus (hsx merge) and takes no more samples; extract into a new --output"]
+    saved = plan.get("shard")
+    if spec is None or (saved and (saved["index"], saved["count"]) == (spec.index, spec.count)):
+        return []
+    if not saved:
+        return [f"shard: the plan is not sharded, this run asks for shard {spec}"]
+    return [f"shard: the plan is shard {saved['index']}/{saved['count']}, this run asks for {spec}"]
+
+
+# ---------------------------------------------------------------- what is done
+def load_failed(out: Path) -> dict[int, dict[str, Any]]:
+    entries, _, _ = store.read_jsonl(Path(out) / store.FAILED_NAME)
+    return {int(e["index"]): e for e in entries if "index" in e}
+
+
+def failed_for_good(out: Path, n: int, done: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The failed.jsonl entries of planned indices that are not done."""
+    return {i: e for i, e in load_failed(out).items() if i not in done and i < n}
+
+
+def refuse_changes_after_compaction(out: Path, verify: bool, retry_failed: bool) -> None:
+    """finalize renumbered the samples (a format without holes): the corpus takes no more
+    samples; only an interrupted finalize is finished."""
+    for flag, given in (("--verify", verify), ("--retry-failed", retry_failed)):
+        if given:
+            raise ConfigError(
+                f"{out} was finalized with renumbering ({store.COMPACTION_JOURNAL}); {flag} cannot "
+                "change it: extract into a new --output"
+            )
+    if (out / store.VERIFY_NAME).exists():
+        raise ConfigError(
+            f"{out} was finalized with renumbering ({store.COMPACTION_JOURNAL}) and hsx verify found bad "
+            "samples; they cannot be redone in place: extract into a new --output"
+        )
+
+
+def invalidate(manifest: store.JsonlLog, done: dict[int, dict[str, Any]], bad: Iterable[dict[str, Any]]) -> int:
+    """Append an "invalid" line for each bad sample that is done; returns how many."""
+    n = 0
+    for b in bad:
+        i = int(b["index"])
+        if i in done:
+            manifest.append({"index": i, "key": b.get("key"), "invalid": True, "reason": b.get("problems")})
+            del done[i]
+            n += 1
+    return n
+
+
+def invalidate_from_verify(out: Path, manifest: store.JsonlLog, done: dict[int, dict[str, Any]]) -> int:
+    """The samples `hsx verify` found bad (verify.json) are redone; the file goes."""
+    p = out / store.VERIFY_NAME
+    if not p.exists():
+        return 0
+    try:
+        bad = json.loads(p.read_text()).get("bad", [])
+    except ValueError:
+        bad = []
+    n = invalidate(manifest, done, bad)
+    p.unlink()
+    store.fsync_dir(out)
+    return n
+
+
+def drop_broken(out: Path, keys: list[str], done: dict[int, dict[str, Any]], check_sizes: bool) -> int:
+    """Refuse manifest lines that are not the plan's; forget samples whose files are
+    missing or of another size (they are redone). Returns how many were forgotten."""
+    redo = 0
+    for i, e in list(done.items()):
+        if i >= len(keys) or e.get("key") != keys[i]:
+            raise ConfigError(f"manifest line for index {i} does not match the plan (key {e.get('key')!r})")
+        if check_sizes and store.check_sizes(out, e):
+            del done[i]
+            redo += 1
+    return redo
+
+
+def pending(n: int, done: dict[int, Any], failed: dict[int, Any],
+            select: Callable[[int], bool] | None = None) -> list[int]:
+    """The planned indices still to do, in plan order; `select` keeps a part of them."""
+    return [i for i in range(n) if i not in done and i not in failed and (select is None or select(i))]
+
+
+# ---------------------------------------------------------------- disk
+def estimate_tokens(request: dict[str, Any], max_length: int | None, max_model_len: int | None) -> int:
+    if "input_ids" in request:
+        n = len(request["input_ids"])
+    else:
+        chars = 0
+        if isinstance(request.get("prompt"), str):
+            chars += len(request["prompt"])
+        for m in request.get("messages") or []:
+            chars += 32  # role + template tokens, ~8 tokens a message
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                chars += len(c)
+            elif isinstance(c, list):
+                for part in c:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        chars += len(part["text"])
+            if isinstance(m, dict) and m.get("tool_calls"):
+                chars += len(json.dumps(m["tool_calls"]))
+        if request.get("tools"):
+            chars += len(json.dumps(request["tools"]))
+        n = chars // 3 + 1
+    for cap in (max_length, max_model_len):
+        if cap:
+            n = min(n, int(cap))
+    return n
+
+
+def disk_needed(requests: Iterable[dict[str, Any]], bytes_per_token: float, max_length: int | None,
+                max_model_len: int | None) -> int:
+    """Bytes the samples of `requests` will take: estimated tokens x the format's bytes
+    per token, plus 4 KiB a sample for headers and file-system slack."""
+    total = count = 0
+    for r in requests:
+        total += estimate_tokens(r, max_length, max_model_len)
+        count += 1
+    return int(total * float(bytes_per_token) + 4096 * count)

@@ -1,0 +1,329 @@
+"""The fan-out loop of `hsx extract`: each planned sample is fetched, stored, recorded.
+
+    fetch   `POST /hidden_states` through HsxClient (least-loaded server, retries); a
+            permanent failure is logged to failed.jsonl and the sample skipped;
+    store   in a pool thread: decode, `fmt.encode_sample`, files written atomically
+            (store.write_files_atomic);
+    record  its manifest line appended (fsync'ed): only then does the sample count. For
+            states read from a same-host server's shared memory (a lease), the lease is
+            released first: a 204 proves the bytes were still ours while we wrote them; a
+            410 means they may have been overwritten and the sample is asked again.
+
+Failures of one sample: 400/422/413 (and other 4xx) and a format that cannot encode the
+response are permanent (`bad_request`, `too_large`, `encode`). A sample on which every
+attempt got a 5xx is `server_error` and retried by the next run, as is one whose lease
+kept expiring (`lease_expired`). If the servers are unreachable beyond the retries,
+authentication fails, many samples in a row fail with 5xx, or storing fails (disk full),
+the loop stops with a resumable state (`RunState.fatal`).
+
+Stopping (Ctrl-C, `request_stop`): no new sample starts, requests in flight are
+cancelled (those samples are simply not done), stores already running finish.
+
+`RunHooks` are the loop's small callbacks (the benchmark times the fan-out with them).
+The state the workers share is one `RunState`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import store
+from .api import HsxClient, Lease, RawResponse
+from .errors import AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError
+from .progress import Progress
+
+log = logging.getLogger("hsx.extract")
+
+LEASE_REDOS = 3  # a sample whose lease expired this often before its store ended fails
+EXIT_INTERRUPTED = 130
+
+
+class SampleEncodeError(Exception):
+    """The format refused a response (recorded as a permanent failure)."""
+
+
+@dataclass
+class RunHooks:
+    """Callbacks on the loop's events, run on the event loop (keep them quick)."""
+
+    on_start: Callable[["RunState"], None] | None = None  # the workers are about to start
+    on_stored: Callable[["RunState", int, dict], None] | None = None  # a manifest line is on disk
+    on_failed: Callable[["RunState", int, dict], None] | None = None  # a failed.jsonl line is on disk
+    on_end: Callable[["RunState"], None] | None = None  # every worker has returned
+
+
+@dataclass
+class RunState:
+    """What the workers share: the corpus side, the books, the queue and the stop flags."""
+
+    client: HsxClient
+    fmt: Any
+    ctx: Any
+    out: Path
+    settings: dict[str, Any]
+    served_layers: list[int]
+    keys: list[str]
+    by_key: dict[str, Any]
+    manifest: store.JsonlLog
+    failed_log: store.JsonlLog
+    done: dict[int, dict[str, Any]]
+    failed: dict[int, dict[str, Any]]
+    progress: Progress
+    queue: deque[int] = field(default_factory=deque)
+    stopping: bool = False
+    stop_reason: str | None = None
+    fatal: BaseException | None = None
+    consecutive_5xx: int = 0
+    lease_redos: dict[int, int] = field(default_factory=dict)
+
+    def request_body(self, index: int) -> dict[str, Any]:
+        sample = self.by_key[self.keys[index]]
+        body = dict(sample.request)
+        s = self.settings
+        if s["layers"] != self.served_layers:
+            body.setdefault("layers", s["layers"])
+        if s["max_length"]:
+            body.setdefault("max_length", s["max_length"])
+            body.setdefault("truncation", s["truncation"])
+        body.setdefault("id", sample.key)
+        return body
+
+
+class _HeldLease:
+    """A lease this worker holds: `release()` is the one that counts (raises
+    LeaseExpiredError); `drop()` gives the range back quietly when the sample was not
+    stored. Either happens once."""
+
+    def __init__(self, client: HsxClient, lease: Lease | None) -> None:
+        self._client = client
+        self.lease = lease
+
+    async def release(self) -> None:
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await self._client.release_lease(lease)
+
+    async def drop(self) -> None:
+        try:
+            await self.release()
+        except HsxError:
+            pass
+
+
+class RunLoop:
+    def __init__(self, state: RunState, *, concurrency: int, write_workers: int | None = None,
+                 handle_signals: bool = False, hooks: RunHooks | None = None) -> None:
+        self.state = state
+        self.concurrency = concurrency  # requests in flight over all servers
+        self.write_workers = write_workers or max(4, min(16, (os.cpu_count() or 4) * 2))
+        self.handle_signals = handle_signals
+        self.hooks = hooks or RunHooks()
+        self.breaker = max(10, 2 * concurrency)  # this many 5xx samples in a row stop the run
+        self._phase: dict[asyncio.Task[Any], str] = {}
+        self._sigints = 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -------------------------------------------------------------- control
+    def request_stop(self, reason: str) -> None:
+        st = self.state
+        if not st.stopping:
+            st.stopping = True
+            st.stop_reason = reason
+        for task, phase in list(self._phase.items()):
+            if phase == "request":
+                task.cancel()
+
+    def _stop_on(self, exc: BaseException, reason: str) -> None:
+        self.state.fatal = exc
+        self.request_stop(reason)
+
+    def _on_signal(self, signame: str) -> None:
+        self._sigints += 1
+        if self._sigints > 1:
+            print(f"\nhsx extract: second {signame}, exiting now (state stays resumable)", file=sys.stderr)
+            os._exit(EXIT_INTERRUPTED)
+        print(
+            f"\nhsx extract: {signame}: finishing stores in progress, then exiting (again to exit at once)",
+            file=sys.stderr,
+        )
+        self.request_stop("interrupted")
+
+    # -------------------------------------------------------------- the loop
+    async def run(self, todo: list[int]) -> None:
+        st = self.state
+        if not todo:
+            return
+        loop = asyncio.get_running_loop()
+        st.queue.extend(todo)
+        self._pool = ThreadPoolExecutor(max_workers=self.write_workers, thread_name_prefix="hsx-store")
+        installed = []
+        if self.handle_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.add_signal_handler(sig, self._on_signal, sig.name)
+                    installed.append(sig)
+                except (NotImplementedError, RuntimeError):
+                    pass
+
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                st.progress.refresh()
+
+        tick = loop.create_task(ticker())
+        try:
+            if self.hooks.on_start is not None:
+                self.hooks.on_start(st)
+            # Enough workers to keep every request slot busy while others are storing.
+            workers = [loop.create_task(self._worker())
+                       for _ in range(min(len(todo), self.concurrency + self.write_workers))]
+            for w in workers:
+                self._phase[w] = "idle"
+            for r in await asyncio.gather(*workers, return_exceptions=True):
+                if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError) and st.fatal is None:
+                    st.fatal = r
+        finally:
+            tick.cancel()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            self._pool.shutdown(wait=True)
+            if self.hooks.on_end is not None:
+                self.hooks.on_end(st)
+
+    async def _worker(self) -> None:
+        st = self.state
+        task = asyncio.current_task()
+        assert task is not None
+        try:
+            while not st.stopping and st.queue:
+                index = st.queue.popleft()
+                self._phase[task] = "request"
+                try:
+                    raw = await self._fetch(index)
+                finally:
+                    self._phase[task] = "idle"
+                if raw is None:
+                    continue
+                self._phase[task] = "store"
+                try:
+                    await self._store_and_record(index, raw)
+                finally:
+                    self._phase[task] = "idle"
+        finally:
+            self._phase.pop(task, None)
+
+    async def _fetch(self, index: int) -> RawResponse | None:
+        """The response, or None: the sample failed (logged) or the run stops."""
+        st = self.state
+        try:
+            raw = await st.client.hidden_states_response(st.request_body(index), lease_ok=True)
+        except asyncio.CancelledError:
+            if st.stopping:
+                return None  # abandoned: not done, redone on resume
+            raise
+        except RetriesExhaustedError as exc:
+            if isinstance(exc.last_error, ServerError):
+                st.consecutive_5xx += 1
+                self._fail(index, "server_error", exc.last_error)
+                if st.consecutive_5xx >= self.breaker:
+                    self._stop_on(exc, f"{st.consecutive_5xx} samples in a row failed with 5xx")
+                return None
+            self._stop_on(exc, "servers unreachable")
+            return None
+        except AuthenticationError as exc:
+            self._stop_on(exc, "authentication failed")
+            return None
+        except HsxError as exc:  # 400/422/413/other 4xx: the sample is bad
+            self._fail(index, {413: "too_large"}.get(exc.status or 0, "bad_request"), exc)
+            return None
+        st.consecutive_5xx = 0
+        return raw
+
+    async def _store_and_record(self, index: int, raw: RawResponse) -> None:
+        st = self.state
+        loop = asyncio.get_running_loop()
+        lease = _HeldLease(st.client, raw.lease)
+        try:
+            # Shielded: a stop must not leave a file half-written by a cancelled await.
+            entry, written = await asyncio.shield(
+                loop.run_in_executor(self._pool, self._store, index, raw, raw.lease is None)
+            )
+            if raw.lease is not None:
+                try:
+                    await lease.release()
+                except LeaseExpiredError as exc:
+                    self._lease_expired(index, exc)
+                    return
+                await loop.run_in_executor(self._pool, st.manifest.append, entry)
+        except SampleEncodeError as exc:
+            self._fail(index, "encode", exc)
+            return
+        except asyncio.CancelledError:
+            raise  # the worker ends (a stop cancels requests, never stores: this came from outside)
+        except BaseException as exc:  # disk full, a bug: stop, resumable
+            self._stop_on(exc, f"storing failed: {exc}")
+            return
+        finally:
+            await lease.drop()  # not stored: give the range back now rather than at its expiry
+        st.done[index] = entry
+        st.progress.sample_done(tokens=entry["tokens"], wire_bytes=raw.wire_bytes, written_bytes=written)
+        if self.hooks.on_stored is not None:
+            self.hooks.on_stored(st, index, entry)
+
+    def _lease_expired(self, index: int, exc: LeaseExpiredError) -> None:
+        st = self.state
+        redos = st.lease_redos[index] = st.lease_redos.get(index, 0) + 1
+        if redos >= LEASE_REDOS:  # the store keeps outlasting the lease
+            exc.message += f" ({redos} times: raise the server's --lease-timeout, or use --transfer http)"
+            self._fail(index, "lease_expired", exc)
+            return
+        log.warning("sample %d: %s; requesting it again", index, exc)
+        st.queue.append(index)
+
+    def _store(self, index: int, raw: RawResponse, record: bool) -> tuple[dict[str, Any], int]:
+        """In a pool thread: decode, encode, write the files; with `record`, append the
+        manifest line too (saves a second hop to the pool)."""
+        st = self.state
+        try:
+            decoded = raw.decode()
+            out = st.fmt.encode_sample(index, decoded, st.ctx)
+        except Exception as exc:
+            raise SampleEncodeError(f"{type(exc).__name__}: {exc}") from exc
+        files = store.write_files_atomic(st.out, out.files)
+        entry = {
+            "key": st.keys[index],
+            "index": index,
+            "files": files,
+            "record": out.record,
+            "tokens": int(len(decoded.token_ids)),
+            "request_id": raw.request_id,
+        }
+        if record:
+            st.manifest.append(entry)
+        return entry, sum(f["size"] for f in files.values())
+
+    def _fail(self, index: int, kind: str, exc: BaseException) -> None:
+        st = self.state
+        entry: dict[str, Any] = {"index": index, "key": st.keys[index], "kind": kind, "time": time.time()}
+        if isinstance(exc, HsxError):
+            entry.update(
+                status=exc.status, type=exc.type, message=exc.message, request_id=exc.request_id, server=exc.server
+            )
+        else:
+            entry.update(message=f"{type(exc).__name__}: {exc}")
+        st.failed_log.append(entry)
+        st.failed[index] = entry
+        st.progress.sample_failed()
+        if self.hooks.on_failed is not None:
+            self.hooks.on_failed(st, index, entry)

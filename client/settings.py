@@ -1,0 +1,45 @@
+"""The client's connection defaults, in one place; each also an `HSX_*` environment variable.
+
+`HsxClient`, `ExtractConfig` and the `hsx extract` flags take their defaults from here
+(`DEFAULTS`, the values without the environment); the command line reads the
+environment through `ClientSettings()` (pydantic-settings, as the server does), so a
+flag > an environment variable > the default.
+
+    HSX_SERVER (comma-separated URLs), HSX_API_KEY, HSX_CONCURRENCY_PER_SERVER,
+    HSX_TIMEOUT, HSX_MAX_ATTEMPTS, HSX_COMPRESSION, HSX_TRANSFER
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing_extensions import Annotated
+
+
+class ClientSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HSX_", extra="ignore")
+
+    server: Annotated[list[str], NoDecode] = Field(default_factory=list, description="hsx server base URLs")
+    api_key: str | None = Field(None, description="Bearer token")
+    concurrency_per_server: int = Field(8, ge=1, description="requests in flight per server")
+    timeout: float = Field(600.0, gt=0, description="seconds per request")
+    max_attempts: int = Field(10, ge=1, description="attempts per request before giving up")
+    compression: Literal["auto", "zstd", "none"] = Field(
+        "auto", description="zstd responses: auto = only from servers on other hosts"
+    )
+    transfer: Literal["auto", "http"] = Field(
+        "auto", description="auto = same-host servers hand over the states in shared memory (leases)"
+    )
+    unhealthy_cooldown: float = Field(10.0, gt=0, description="seconds a failing server is set aside")
+
+    @field_validator("server", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [u.strip() for u in value.split(",") if u.strip()]
+        return value
+
+
+DEFAULTS = ClientSettings.model_construct()  # the defaults alone, without the environment

@@ -1,0 +1,153 @@
+"""`hsx verify`: re-check a corpus (counts, files, checksums, the format's own check).
+
+`verify_samples` is the full check of stored samples (also `hsx extract --verify`);
+`verify_corpus` checks a whole corpus directory against its plan and manifest and
+writes `verify.json` listing the bad samples, which the next `hsx extract` redoes.
+Samples a format renumbered in finalize (speculators compacts failed indices away;
+`hsx_compaction.json`) are checked under their new index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from . import store
+from .plan import ConfigError, failed_for_good, load_plan
+
+
+def verify_samples(
+    out: Path,
+    fmt: Any,
+    keys: list[str],
+    done: dict[int, dict[str, Any]],
+    *,
+    workers: int | None = None,
+    quiet: bool = True,
+) -> list[dict[str, Any]]:
+    """Full check of stored samples: sizes, checksums, then `fmt.verify_sample`."""
+    out = Path(out)
+    moved = compaction_moves(out)
+
+    def one(item: tuple[int, dict[str, Any]]) -> dict[str, Any] | None:
+        i, e = item
+        problems: list[str] = []
+        if i >= len(keys) or e.get("key") != keys[i]:
+            problems.append(f"manifest key {e.get('key')!r} is not the plan's for index {i}")
+        now = moved.get(i, i)
+        if now != i:  # renumbered by finalize: same bytes under the new index's name
+            e = dict(e, files={renumbered_path(fmt, rel, i, now): m for rel, m in e.get("files", {}).items()})
+        problems += store.check_checksums(out, e)
+        if not problems:
+            try:
+                problems += list(fmt.verify_sample(out, now, e.get("record", {})) or [])
+            except Exception as exc:  # a reader error is a bad sample
+                problems.append(f"verify_sample raised {type(exc).__name__}: {exc}")
+        return {"index": i, "key": e.get("key"), "problems": problems} if problems else None
+
+    bar = None
+    if not quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(done), desc="verify", unit="sample", file=sys.stderr, dynamic_ncols=True)
+    bad = []
+    with ThreadPoolExecutor(max_workers=workers or max(2, min(16, (os.cpu_count() or 2)))) as pool:
+        for r in pool.map(one, sorted(done.items())):
+            if bar is not None:
+                bar.update(1)
+            if r is not None:
+                bad.append(r)
+    if bar is not None:
+        bar.close()
+    return bad
+
+
+def compaction_moves(out: Path) -> dict[int, int]:
+    p = Path(out) / store.COMPACTION_JOURNAL
+    if not p.exists():
+        return {}
+    return {int(a): int(b) for a, b in json.loads(p.read_text()).get("moves", [])}
+
+
+def renumbered_path(fmt: Any, rel: str, old: int, new: int) -> str:
+    """The path of a sample file after finalize moved sample `old` to `new`."""
+    for attr in ("hs_path", "ckpt_path"):
+        fn = getattr(fmt, attr, None)
+        if fn is not None and fn(old) == rel:
+            return fn(new)
+    return rel
+
+
+def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, quiet: bool = True,
+                  workers: int | None = None) -> dict[str, Any]:
+    """`hsx verify DIR`: returns the report; writes DIR/verify.json listing bad samples
+    (removed when none) so the next `hsx extract` redoes exactly those. `get_format`
+    (name -> format writer) defaults to hsx_client.formats.get_format."""
+    out = Path(out)
+    if not (out / store.PLAN_NAME).exists():
+        raise ConfigError(f"{out} is not an hsx corpus (no {store.PLAN_NAME})")
+    with store.DirLock(out).acquire("hsx verify"):
+        if get_format is None:
+            from .formats import get_format
+        plan = load_plan(out)
+        assert plan is not None
+        keys = plan["keys"]
+        n = len(keys)
+        fmt = get_format(plan["settings"]["format"])
+        entries, _, torn = store.read_jsonl(out / store.MANIFEST_NAME)
+        done = store.latest_by_index(entries)
+        problems: list[str] = []
+        extra = [i for i in done if i >= n]
+        if extra:
+            problems.append(f"manifest has indices beyond the plan's {n}: {extra[:10]}")
+            for i in extra:
+                del done[i]
+        failed = failed_for_good(out, n, done)
+        bad = verify_samples(out, fmt, keys, done, workers=workers, quiet=quiet)
+        missing = [i for i in range(n) if i not in done and i not in failed]
+        if missing:
+            problems.append(f"{len(missing)} planned sample(s) not extracted yet (first: {missing[:10]})")
+        corpus_path = out / store.CORPUS_NAME
+        if not corpus_path.exists():
+            problems.append(f"no {store.CORPUS_NAME}: the run was not finalized")
+        else:
+            corpus = json.loads(corpus_path.read_text())
+            counts = corpus.get("counts", {})
+            if counts.get("planned") != n or counts.get("done") != len(done) or counts.get("failed") != len(failed):
+                problems.append(
+                    f"{store.CORPUS_NAME} counts {counts.get('planned')}/{counts.get('done')}/{counts.get('failed')} "
+                    f"(planned/done/failed) do not match the manifest {n}/{len(done)}/{len(failed)}"
+                )
+            for rel, meta in (corpus.get("finalize_files") or {}).items():
+                try:
+                    size, digest = store.hash_file(out / rel)
+                except FileNotFoundError:
+                    problems.append(f"finalize output {rel} is missing")
+                    continue
+                if size != meta.get("size") or digest != meta.get(store.HASH_ALGO):
+                    problems.append(f"finalize output {rel} changed since finalize (size/checksum)")
+        report = {
+            "ok": not bad and not problems,
+            "output": str(out),
+            "planned": n,
+            "done": len(done),
+            "failed": len(failed),
+            "missing": len(missing),
+            "bad_samples": len(bad),
+            "bad": bad,
+            "problems": problems,
+            "torn_manifest_lines": torn,
+        }
+        vpath = out / store.VERIFY_NAME
+        if bad:
+            store.write_json_atomic(vpath, {"checked_at": time.time(), "bad": bad})
+        elif vpath.exists():
+            vpath.unlink()
+            store.fsync_dir(out)
+        return report
