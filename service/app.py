@@ -30,14 +30,14 @@ from hsx_service.errors import (
 from hsx_service.auth import key_matches
 from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import Metrics
-from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus
+from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
 from hsx_service.response import accepts_zstd
 from hsx_service.settings import ServiceSettings
 
 log = logging.getLogger("hsx.app")
 
 PUBLIC_PATHS = ("/health", "/ready", "/metrics")
-GUARDED_PATHS = ("/hidden_states", "/info", "/final_norm", "/leases/")  # a trailing / guards the subtree
+GUARDED_PATHS = ("/hidden_states", "/tokenize", "/info", "/final_norm", "/leases/")  # a trailing / guards the subtree
 ERRORS = {
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     422: {"model": ErrorResponse, "description": "the body does not match the schema"},
@@ -100,7 +100,7 @@ class GuardMiddleware:
             if scheme.lower() != "bearer" or not key_matches(token.strip().encode(), self.keys):
                 return await reply(401, "unauthorized", "missing or invalid API key (Authorization: Bearer KEY)",
                                    {"WWW-Authenticate": "Bearer"})
-        if path == "/hidden_states" and scope["method"] == "POST":
+        if path in ("/hidden_states", "/tokenize") and scope["method"] == "POST":
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype != "application/json":
                 return await reply(415, "unsupported_media_type",
@@ -291,6 +291,21 @@ def create_app(st: ServerState) -> FastAPI:
             return Response(status_code=499)
         headers, stream, close = work.result()
         return _ReleasingStream(stream, close, media_type=headers.pop("Content-Type"), headers=headers)
+
+    @app.post(
+        "/tokenize",
+        summary="Token ids and loss mask of an input, as /hidden_states would prefill them, without the engine",
+        response_model=TokenizeResponse,
+        responses={
+            **ERRORS,
+            400: {"model": ErrorResponse, "description": "bad input"},
+            413: {"model": ErrorResponse, "description": "body or token count over the limit"},
+            415: {"model": ErrorResponse, "description": "body is not application/json"},
+        },
+    )
+    async def tokenize(body: HiddenStatesRequest, request: Request):
+        s = _serving(request)
+        return await s.service.tokenize(body, request.state.request_id)
 
     @app.delete(
         "/leases/{lease_id}",
