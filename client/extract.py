@@ -91,6 +91,8 @@ PLAN_KEYS = (
     "seed",
     "shuffle",
     "max_samples",
+    "states",
+    "dtype",
 )
 DEFAULTS: dict[str, Any] = {
     "format": None,
@@ -102,6 +104,8 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "shuffle": True,
     "max_samples": None,
+    "states": "all",  # none: the token table only (online training, speculators_variants.py)
+    "dtype": "auto",  # fp8: states stored as fp8 with per-token scales
 }
 
 
@@ -127,6 +131,8 @@ class ExtractConfig:
     seed: int | None = None
     shuffle: bool | None = None
     max_samples: int | None = None
+    states: str | None = None
+    dtype: str | None = None
     concurrency_per_server: int = 8
     compression: str = "auto"  # auto: zstd from remote servers only (see HsxClient)
     transfer: str = "auto"  # auto: same-host servers' states read from shared memory (leases)
@@ -326,7 +332,12 @@ class Extractor:
         settings = _resolve_settings(cfg, plan)
         if settings["format"] is None:
             raise ConfigError("--format is required (speculators or specforge)")
-        fmt = hooks.get_format(settings["format"])
+        from .formats import format_options
+
+        try:
+            fmt = hooks.get_format(settings["format"], **format_options(settings))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         inputs = cfg.inputs if cfg.inputs else (plan["inputs"] if plan else None)
         if not inputs:
             raise ConfigError("--input is required")
@@ -646,7 +657,9 @@ class Extractor:
                 sample = by_key[key]
                 self._phase[task] = "request"
                 try:
-                    raw = await client.hidden_states_response(self._request_body(sample), lease_ok=True)
+                    fetch = getattr(self.fmt, "fetch", None)  # a format may ask for less than states
+                    body = self._request_body(sample)
+                    raw = await (fetch(client, body) if fetch else client.hidden_states_response(body, lease_ok=True))
                 except asyncio.CancelledError:
                     if self.stopping:
                         return  # abandoned: not done, redone on resume
@@ -776,6 +789,8 @@ class Extractor:
             "hsx_corpus_version": 1,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "format": settings["format"],
+            "states": settings["states"],
+            "states_dtype": settings["dtype"],
             "model": info.get("model"),
             "model_revision": info.get("model_revision"),
             "layer_ids": settings["layers"],
@@ -905,7 +920,9 @@ def verify_corpus(out: Path, hooks: Hooks | None = None, *, quiet: bool = True, 
         assert plan is not None
         keys = plan["keys"]
         n = len(keys)
-        fmt = hooks.get_format(plan["settings"]["format"])
+        from .formats import format_options
+
+        fmt = hooks.get_format(plan["settings"]["format"], **format_options(plan["settings"]))
         entries, _, torn = store.read_jsonl(out / store.MANIFEST_NAME)
         done = store.latest_by_index(entries)
         problems: list[str] = []

@@ -165,7 +165,17 @@ def _check_decoded(decoded: Decoded, ctx: CorpusContext) -> tuple[torch.Tensor, 
         raise CorpusFormatError(f"response layers {decoded.layer_ids} differ from the run's {ctx.layer_ids}")
     if t == 0:
         raise CorpusFormatError("response has no tokens")
+    ids, mask, source = check_tokens(decoded, ctx, t)
+    return hs, ids, mask, source
+
+
+def check_tokens(decoded: Decoded, ctx: CorpusContext, t: int | None = None) -> tuple[np.ndarray, np.ndarray, str]:
+    """A response's token ids (in the target vocab) and 0/1 loss mask (all ones when none
+    came back), with its source; `t`: the number of states they must match."""
     ids = np.asarray(decoded.token_ids).astype(np.int64, copy=False).reshape(-1)
+    t = ids.shape[0] if t is None else t
+    if t == 0:
+        raise CorpusFormatError("response has no tokens")
     if ids.shape[0] != t:
         raise CorpusFormatError(f"{ids.shape[0]} token ids for {t} states")
     if ctx.vocab_size is None:
@@ -182,7 +192,7 @@ def _check_decoded(decoded: Decoded, ctx: CorpusContext) -> tuple[torch.Tensor, 
         if mask.shape[0] != t or ((mask != 0) & (mask != 1)).any():
             raise CorpusFormatError("loss_mask must be 0/1 with one entry per token")
         source = "server"
-    return hs, ids, mask, source
+    return ids, mask, source
 
 
 def _record(ids: np.ndarray, mask: np.ndarray, source: str, ctx: CorpusContext) -> dict:
@@ -257,6 +267,7 @@ class SpeculatorsFormat:
     """
 
     name = "speculators"
+    format_facts: dict = {}  # what a variant adds to hsx_format.json (speculators_variants.py)
 
     @staticmethod
     def hs_path(index: int) -> str:
@@ -316,7 +327,7 @@ class SpeculatorsFormat:
             elif not dst.exists():
                 raise CorpusFormatError(f"sample {old} has no file {src} (and {dst} is absent)")
         if moves:
-            _fsync_dir(out_dir / "hidden_states")
+            _fsync_dir((out_dir / self.hs_path(0)).parent)
         return moves
 
     def finalize(self, out_dir: Path, records: list[tuple[int, dict]], ctx: CorpusContext) -> list[str]:
@@ -353,7 +364,8 @@ class SpeculatorsFormat:
 
         extra = speculators_vocab_files(freq, ctx.draft_vocab_size, ctx.vocab_size)
         extra[FORMAT_FILE] = _format_json(
-            self.name, ctx, num_samples=len(rows), num_tokens=sum(r["num_tokens"] for r in rows.values()),
+            self.name, ctx, **self.format_facts,
+            num_samples=len(rows), num_tokens=sum(r["num_tokens"] for r in rows.values()),
             num_supervised=sum(r["num_supervised"] for r in rows.values()),
             compacted_moves=len(moves), compaction_journal=COMPACTION_JOURNAL if moves else None,
         )
@@ -561,9 +573,21 @@ class SpecForgeFormat:
 _FORMATS = {"speculators": SpeculatorsFormat, "specforge": SpecForgeFormat}
 
 
-def get_format(name: str) -> CorpusFormat:
-    """The writer for "speculators" or "specforge"."""
-    try:
-        return _FORMATS[name]()
-    except KeyError:
-        raise ValueError(f"unknown corpus format {name!r} (choose from {sorted(_FORMATS)})") from None
+FORMAT_OPTIONS = {"states": "all", "dtype": "auto"}  # run settings that pick a variant, and their defaults
+
+
+def format_options(settings: dict) -> dict:
+    """The variant settings of a run that differ from the defaults (none: the plain format)."""
+    return {k: settings[k] for k, d in FORMAT_OPTIONS.items() if settings.get(k) not in (None, d)}
+
+
+def get_format(name: str, **options: str) -> CorpusFormat:
+    """The writer for "speculators" or "specforge"; `states="none"` / `dtype="fp8"` pick
+    speculators' token-table and fp8 variants (speculators_variants.py)."""
+    if name not in _FORMATS:
+        raise ValueError(f"unknown corpus format {name!r} (choose from {sorted(_FORMATS)})")
+    if format_options(options):
+        from .speculators_variants import variant_format
+
+        return variant_format(name, **{**FORMAT_OPTIONS, **options})
+    return _FORMATS[name]()

@@ -45,7 +45,7 @@ ST_DTYPES = {
     "int64": "I64",
     "uint8": "U8",
 }
-ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1}
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1, "F8_E4M3": 1}  # F8: fp8 corpora (client)
 _HEADER_ALIGN = 8
 
 
