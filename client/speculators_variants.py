@@ -98,19 +98,7 @@ class SpeculatorsTokensFormat(SpeculatorsFormat):
         return SampleOutput({self.hs_path(index): parts}, _record(ids, mask, source, ctx))
 
     def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]:
-        from safetensors import safe_open
-
-        path = Path(out_dir) / self.hs_path(index)
-        if not path.exists():
-            return [f"{self.hs_path(index)} is missing"]
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                ids = f.get_tensor("token_ids")
-        except Exception as exc:  # truncated, or no token_ids
-            return [f"{path.name} is unreadable: {type(exc).__name__}: {exc}"]
-        if ids.dtype != torch.int64 or ids.ndim != 1:
-            return [f"token_ids must be int64 [T], got {ids.dtype} {list(ids.shape)}"]
-        return _record_problems(record, ids.numpy())
+        return verify_layout(out_dir, self.hs_path(index), record, {"token_ids": ([record.get("num_tokens")], "I64")})
 
 
 class TokensResponse:
@@ -151,21 +139,27 @@ class SpeculatorsFp8Format(SpeculatorsFormat):
         return SampleOutput({self.hs_path(index): parts}, _record(ids, mask, source, ctx))
 
     def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]:
-        from safetensors import safe_open
-
-        path = Path(out_dir) / self.hs_path(index)
-        if not path.exists():
-            return [f"{self.hs_path(index)} is missing"]
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                shapes = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
-                ids = f.get_tensor("token_ids") if "token_ids" in shapes else None
-        except Exception as exc:
-            return [f"{path.name} is unreadable: {type(exc).__name__}: {exc}"]
         t, n_layers, h = record.get("num_tokens"), record.get("num_layers", 4), record.get("hidden_size")
-        want = {"hidden_states": ([t, n_layers, h], "F8_E4M3"), SCALES_KEY: ([t, 1, 1], "F32"), "token_ids": ([t], "I64")}
-        probs = [f"{k} is {shapes.get(k)}, expected {w}" for k, w in want.items() if shapes.get(k) != w]
-        return probs or _record_problems(record, ids.numpy())
+        return verify_layout(out_dir, self.hs_path(index), record, {
+            "hidden_states": ([t, n_layers, h], "F8_E4M3"), SCALES_KEY: ([t, 1, 1], "F32"), "token_ids": ([t], "I64")})
+
+
+def verify_layout(out_dir: Path, rel: str, record: dict, want: dict[str, tuple[list, str]]) -> list[str]:
+    """A stored sample file holds exactly the tensors `want` ({name: (shape, safetensors
+    dtype)}), and its token ids agree with the record."""
+    from safetensors import safe_open
+
+    path = Path(out_dir) / rel
+    if not path.exists():
+        return [f"{rel} is missing"]
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+            ids = f.get_tensor("token_ids") if "token_ids" in shapes else None
+    except Exception as exc:  # truncated or not safetensors
+        return [f"{path.name} is unreadable: {type(exc).__name__}: {exc}"]
+    probs = [f"{k} is {shapes.get(k)}, expected {w}" for k, w in want.items() if shapes.get(k) != tuple(w)]
+    return probs or _record_problems(record, ids.numpy())
 
 
 def variant_format(name: str, *, states: str, dtype: str) -> SpeculatorsFormat:

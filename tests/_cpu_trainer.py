@@ -16,14 +16,21 @@ import sys
 import torch
 
 
-def main() -> int:
-    from hsx_client import speculators_backend, speculators_train  # noqa: F401 - the backend first
+def patch_for_cpu() -> None:
+    """Without an accelerator: the trainer's device is the CPU, accelerator syncs are no-ops."""
+    from hsx_client import speculators_backend  # noqa: F401 - registered before speculators' config
 
     import speculators.train.trainer as trainer
 
     if not torch.accelerator.is_available():
         trainer.get_local_rank = lambda: "cpu"
         torch.accelerator.synchronize = lambda *a, **k: None
+
+
+def main() -> int:
+    from hsx_client import speculators_train
+
+    patch_for_cpu()
     return speculators_train.main(sys.argv[1:])
 
 

@@ -147,6 +147,25 @@ def test_token_table_is_the_full_corpus_without_states(corpora):
     assert disk(tok) < disk(full) / 10
 
 
+def test_tokenize_answers_what_hidden_states_prefills(pool):
+    from hsx.wire import decode
+
+    url = pool.get(1)[0].url
+    chat = [json.loads(x) for x in THREADS.read_text().splitlines()[:3]][2]["messages"]
+    for body in ({"messages": chat, "assistant_mask": "last", "max_length": 64, "truncation": "left"},
+                 {"prompt": "Once upon a time"}, {"input_ids": [1, 5, 9], "loss_mask": [0, 1, 1]}):
+        tok = httpx.post(url + "/tokenize", json=body, timeout=60)
+        assert tok.status_code == 200, tok.text
+        full = decode(httpx.post(url + "/hidden_states", json=body, timeout=60).content)
+        t = tok.json()
+        assert t["token_ids"] == full.token_ids.tolist() and t["layer_ids"] == [1, 2, 4, 5]
+        assert t["loss_mask"] == (None if full.loss_mask is None else full.loss_mask.tolist())
+    r = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert r.status_code == 400 and "no assistant turn" in r.json()["error"]["message"]
+    r = httpx.post(url + "/tokenize", json={"input_ids": list(range(1, 600))}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "too_large"
+
+
 def test_states_none_run_resumes_after_sigkill(pool, tmp_path):
     servers = pool.get(1)
     out = tmp_path / "tokens"
