@@ -12,6 +12,8 @@ speculators 0.9 (`speculators train --data-path DIR --on-missing raise`)
     token_freq.pt, d2t-{K}.npy, t2d-{K}.npy    vocab mapping (client/vocab.py)
     hsx_format.json                   format facts (mask policy, counts, compaction)
 
+    Variants (`hsx extract --states none` / `--dtype fp8`): client/speculators_variants.py.
+
 SpecForge 0.2 (offline; `--hidden-states-path DIR --vocab-mapping DIR/vocab_mapping/vocab_mapping.pt`)
     rows/{i // 1000:04d}/data_{i}.ckpt  torch.save {"input_ids": int64 [T], "loss_mask": int64 [T],
                                       "aux_hidden_state": [1, T, 3H] (three aux layers concatenated
