@@ -4,8 +4,8 @@
 For each model (default: the shared stories260K and a random bf16 Llama 6 x 256), served
 with `hsx serve --dtype bfloat16` and the shared llama3 template, on the same real chats
 (the shared OASST threads, one sample per assistant turn):
-  1. `hsx extract --format speculators` (bf16 states), `--dtype fp8` and `--states none`,
-     each timed (wall, first request to finalize);
+  1. `hsx extract --format speculators --states none`, then the full corpus (bf16 states)
+     and `--dtype fp8`, each timed (wall: the whole command, after 16 untimed warm-up samples);
   2. the bf16 and fp8 corpora read back with speculators' own readers (ArrowDataset with
      the file backend, and hs_connectors' FP8Transfer, which dequantizes to bf16): the
      error of fp8 against bf16 per layer (relative L2 over all tokens, and the worst
@@ -38,6 +38,16 @@ def _extract(url: str, out: Path, args: list[str]) -> float:
     subprocess.run([sys.executable, "-m", "hsx.cli", "extract", "--server", url, "--output", str(out), "--quiet",
                     *args], check=True)
     return time.perf_counter() - t
+
+
+def phase_seconds(url: str) -> dict[str, float]:
+    """The server's own time per request phase so far (hsx_phase_seconds sums)."""
+    import re
+
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {m[1]: float(m[2]) for m in re.finditer(r'^hsx_phase_seconds_sum\{phase="(\w+)"\} (\S+)$', text, re.M)}
 
 
 def fp8_error(bf16: Path, fp8: Path) -> dict:
@@ -87,20 +97,25 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         facts = model_facts(Path(model))
         n = facts["num_hidden_layers"]
-        label = f"{Path(model).name[:16]} {n}x{facts['hidden_size']}"
+        name = Path(model).name
+        label = f"{'random Llama' if name.startswith('model-') else name[:16]} {n}x{facts['hidden_size']}"
         server = Server(model, ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", str(a.max_length + 16),
                                 "--layers", ",".join(map(str, default_layers(n))), "--chat-template", str(TEMPLATE)],
                         workdir / f"serve-{len(results)}.log")
         try:
             server.wait_ready(900)
             d = workdir / f"m{len(results)}"
-            times = {k: _extract(server.url, d / k, common + extra) for k, extra in
-                     (("bf16", []), ("fp8", ["--dtype", "fp8"]), ("tokens", ["--states", "none"]))}
+            _extract(server.url, d / "warmup", [*common, "--max-samples", "16"])  # the engine's first requests
+            times, phases = {}, {}
+            for k, extra in (("tokens", ["--states", "none"]), ("bf16", []), ("fp8", ["--dtype", "fp8"])):
+                before = phase_seconds(server.url)
+                times[k] = _extract(server.url, d / k, common + extra)
+                phases[k] = {p: v - before.get(p, 0.0) for p, v in phase_seconds(server.url).items()}
         finally:
             server.stop()
         err = fp8_error(d / "bf16", d / "fp8")
         row = {
-            "model": label, **err, "seconds": times,
+            "model": label, **err, "seconds": times, "server_phase_seconds_bf16": phases["bf16"],
             "disk_bytes": {k: _disk(d / k) for k in times},
             "states_bytes": {k: _disk(d / k / "hidden_states") for k in ("bf16", "fp8")},
             "tokens": json.loads((d / "bf16" / "hsx_corpus.json").read_text())["counts"]["tokens"],
@@ -116,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         layers = " ".join(f"{x:.4f}" for x in r["rel_l2_per_layer"])
         print(f"{r['model']:<22} {r['rows']:>5} {r['tokens']:>8} {r['states_ratio']:>15.3f} {r['disk_ratio']:>15.3f} "
               f"{layers:>34} {r['worst_sample_rel_l2']:>12.4f}")
-    print(f"\n{'model':<22} {'full extract s':>14} {'--dtype fp8 s':>13} {'--states none s':>15} {'none/full':>9}")
+    print(f"\n{'model':<22} {'full extract s':>14} {'--dtype fp8 s':>13} {'--states none s':>15} "
+          f"{'server s: tokenize':>18} {'engine':>7} {'copy':>6} {'send':>6}  (full run)")
     for r in results:
-        s = r["seconds"]
-        print(f"{r['model']:<22} {s['bf16']:>14.1f} {s['fp8']:>13.1f} {s['tokens']:>15.1f} {s['tokens'] / s['bf16']:>9.2f}")
+        s, ph = r["seconds"], r["server_phase_seconds_bf16"]
+        print(f"{r['model']:<22} {s['bf16']:>14.1f} {s['fp8']:>13.1f} {s['tokens']:>15.1f} {ph.get('tokenize', 0):>18.2f} "
+              f"{ph.get('engine', 0):>7.2f} {ph.get('copy', 0):>6.2f} {ph.get('send', 0):>6.2f}")
     if a.out:
         Path(a.out).write_text(json.dumps({"hsx_online_corpus_bench": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                            "hardware": hardware(), "samples": a.samples, "max_length": a.max_length,
