@@ -8,10 +8,18 @@ training runs three ways on the same rows, one after the other:
   offline  the full bf16 corpus (`hsx extract`), speculators' `file` backend
   fp8      the `--dtype fp8` corpus, speculators' `fp8` backend (with --runs ...,fp8)
 and prints samples/s and tokens/s of each: steady state, from the end of the first step
-to the end of the last (the DataLoader wrapped in a counter; nothing else touched), plus
-the time each corpus took to write and its size.
+to the end of the last one the trainer asked a batch after (the DataLoader wrapped in a
+counter; nothing else touched), plus the time each corpus took to write and its size.
+Seen working end to end on CPU (2026-12-01, a random 6 x 256 Llama, 40 rows, 4 steps,
+`--train-arg=--draft-attn-impl=sdpa --train-arg=--loss-implementation=eager`).
 
     python tests/gpu/online_train.py --workdir /tmp/hot --out $OUT/online.json [--runs online,offline,fp8]
+
+Needs, beyond the vLLM kit (shared/gpu-kit/README.md) and the machine's image: the wheels
+`bash tests/gpu/online_wheels.sh` downloads into .whl/online (speculators, hs-connectors,
+datasets, multiprocess, loguru), installed there with
+`pip install --no-deps --target /tmp/site2 .whl/online/*.whl` and PYTHONPATH=$PWD:/tmp/site:/tmp/site2.
+datasets 5.1 wants pyarrow >= 24 and fsspec <= 2026.7.0: check the image's with `pip show`.
 
 The model is a random Llama 16 x 2048 (bench's --h200 shape, vocab 32000, bf16); the rows
 are random token ids (pre-tokenized, the first quarter context, the rest supervised), so
@@ -128,6 +136,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--runs", default="online,offline", help="which trainings, in order: online,offline,fp8")
     p.add_argument("--enforce-eager", action="store_true", help="the server without torch.compile / CUDA graphs")
+    p.add_argument("--train-arg", action="append", default=[],
+                   help="extra speculators train flag, e.g. --train-arg=--draft-attn-impl=sdpa (CPU smoke runs "
+                        "also need --train-arg=--loss-implementation=eager)")
     p.add_argument("--out")
     a = p.parse_args(argv)
 
@@ -172,7 +183,7 @@ def main(argv: list[str]) -> int:
                      "--on-missing", "raise", "--total-seq-len", str(a.total_seq_len), "--num-workers",
                      str(a.num_workers), "--epochs", "1", "--max-steps", str(a.steps), "--train-data-ratio", "0.95",
                      "--draft-vocab-size", str(a.draft_vocab_size), "--target-layer-ids", *map(str, layers[:3]),
-                     "--logger", "", "--log-freq", "50"]
+                     "--logger", "", "--log-freq", "50", *a.train_arg]
             _run([sys.executable, __file__, "--timed-train", str(timing), "--", *train], work / f"train-{name}.log", env)
             res[f"train_{name}"] = json.loads(timing.read_text())
     finally:
