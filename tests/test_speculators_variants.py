@@ -189,6 +189,10 @@ def test_backend_flags_resolve_through_speculators_config(tmp_path, monkeypatch)
         sb.settings_from_args(argparse.Namespace(hsx_servers="http://a:1", hsx_api_key_file=str(tmp_path / "no")), "d")
     with pytest.raises(ValueError):
         HiddenStatesBackend.registry["hsx"].build_kv_transfer_config(args)
+    # a speculators YAML config: the backend's flags under `backend:`, as its own run.yaml writes them
+    (tmp_path / "run.yaml").write_text(cfg.dump_yaml())
+    again = TrainConfig.resolve(["--config", str(tmp_path / "run.yaml")])
+    assert sb.settings_from_args(argparse.Namespace(**again.flatten()), str(tmp_path)).servers == t.settings.servers
 
 
 def test_wrapper_refuses_missing_servers_before_building_a_model(tmp_path, monkeypatch, capsys):
