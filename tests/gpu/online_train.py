@@ -13,7 +13,7 @@ counter; nothing else touched), plus the time each corpus took to write and its 
 Seen working end to end on CPU (2026-12-01, a random 6 x 256 Llama, 40 rows, 4 steps,
 `--train-arg=--draft-attn-impl=sdpa --train-arg=--loss-implementation=eager`).
 
-    python tests/gpu/online_train.py --workdir /tmp/hot --out $OUT/online.json [--runs online,offline,fp8]
+    python tests/gpu/online_train.py --workdir /tmp/hot --out $OUT/online.json [--runs online,offline,fp8] [--torchrun]
 
 Needs, beyond the vLLM kit (shared/gpu-kit/README.md) and the machine's image: the wheels
 `bash tests/gpu/online_wheels.sh` downloads into .whl/online (speculators, hs-connectors,
@@ -136,6 +136,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--runs", default="online,offline", help="which trainings, in order: online,offline,fp8")
     p.add_argument("--enforce-eager", action="store_true", help="the server without torch.compile / CUDA graphs")
+    p.add_argument("--torchrun", action="store_true", help="launch each training with torchrun (1 process)")
     p.add_argument("--train-arg", action="append", default=[],
                    help="extra speculators train flag, e.g. --train-arg=--draft-attn-impl=sdpa (CPU smoke runs "
                         "also need --train-arg=--loss-implementation=eager)")
@@ -184,7 +185,9 @@ def main(argv: list[str]) -> int:
                      str(a.num_workers), "--epochs", "1", "--max-steps", str(a.steps), "--train-data-ratio", "0.95",
                      "--draft-vocab-size", str(a.draft_vocab_size), "--target-layer-ids", *map(str, layers[:3]),
                      "--logger", "", "--log-freq", "50", *a.train_arg]
-            _run([sys.executable, __file__, "--timed-train", str(timing), "--", *train], work / f"train-{name}.log", env)
+            launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"] \
+                if a.torchrun else [sys.executable]
+            _run([*launch, __file__, "--timed-train", str(timing), "--", *train], work / f"train-{name}.log", env)
             res[f"train_{name}"] = json.loads(timing.read_text())
     finally:
         server.stop()
