@@ -69,6 +69,12 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                    help="with --max-length: keep the start (right), the end (left), or fail the sample (error). Default right")
     p.add_argument("--layers", type=_layers, metavar="2,8,13,16", help="layer ids (default: all the server serves)")
     p.add_argument("--draft-vocab-size", type=_positive, metavar="K", help="write the top-K draft vocab mapping")
+    p.add_argument("--states", choices=["all", "none"],
+                   help="none: write only speculators' token table (POST /tokenize, no engine pass) for "
+                        "online training with the hsx backend (docs/online-training.md). Default all")
+    p.add_argument("--dtype", choices=["auto", "fp8"],
+                   help="fp8: store the states as float8_e4m3fn with per-token scales, as speculators' fp8 "
+                        "backend reads them (--format speculators). Default auto: the served dtype")
     p.add_argument("--seed", type=int, help="shuffle seed (default 0)")
     p.add_argument("--shuffle", dest="shuffle", action="store_true", default=None, help="shuffle samples (default)")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep the input order")
@@ -142,6 +148,8 @@ def extract_main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         shuffle=args.shuffle,
         max_samples=args.max_samples,
+        states=args.states,
+        dtype=args.dtype,
         concurrency_per_server=args.concurrency_per_server,
         compression=args.compression,
         transfer=args.transfer,

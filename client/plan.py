@@ -59,6 +59,8 @@ SETTING_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "shuffle": True,
     "max_samples": None,
+    "states": "all",  # none: the token table only (online training; formats/speculators_variants.py)
+    "dtype": "auto",  # fp8: states stored as fp8 with per-token scales
 }
 PLAN_KEYS = tuple(SETTING_DEFAULTS)
 # Failures the next run retries by itself (the others only with --retry-failed).

@@ -38,6 +38,8 @@ def finalize(out: Path, fmt: Any, ctx: Any, plan: dict[str, Any], done: dict[int
         "hsx_corpus_version": 1,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "format": settings["format"],
+        "states": settings.get("states", "all"),
+        "states_dtype": settings.get("dtype", "auto"),
         "model": info.get("model"),
         "model_revision": info.get("model_revision"),
         "layer_ids": settings["layers"],

@@ -99,7 +99,9 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
         assert plan is not None
         keys = plan["keys"]
         n = len(keys)
-        fmt = get_format(plan["settings"]["format"])
+        from .formats import format_options
+
+        fmt = get_format(plan["settings"]["format"], **format_options(plan["settings"]))
         entries, _, torn = store.read_jsonl(out / store.MANIFEST_NAME)
         done = store.latest_by_index(entries)
         problems: list[str] = []
