@@ -56,7 +56,7 @@ from typing import Any
 from hsx import __version__ as hsx_version
 
 from . import store
-from .formats import CorpusContext, get_format
+from .formats import CorpusContext, format_options, get_format
 from .merge_check import PER_SHARD_CORPUS_FIELDS, MergeRefused, Shard, load_all
 from .plan import PLAN_VERSION
 from .provenance import files_digest
@@ -222,7 +222,9 @@ class Merger:
         out = self.out
         store.clean_temp_files(out)
         shards = load_all(out, self.shard_dirs)
-        fmt = get_format(shards[0].corpus["format"])
+        # The shards agree on the format and its options (merge_check): --dtype fp8 and
+        # --states none shards merge as their format's own variant.
+        fmt = get_format(shards[0].corpus["format"], **format_options(shards[0].plan["settings"]))
         rows = plan_rows(shards)
         if not rows:
             raise MergeRefused(["the shards hold no sample (every one failed): nothing to merge"])

@@ -22,7 +22,8 @@ HSX = [sys.executable, "-m", "hsx.cli"]
 
 
 class FakeHsx:
-    """/info, /final_norm and /hidden_states of a server; `info` overrides change what it says."""
+    """/info, /final_norm, /hidden_states and /tokenize of a server; `info` overrides change
+    what it says."""
 
     def __init__(self, fail_keys: set[str] = frozenset(), **info):
         self.fail_keys = fail_keys  # sample keys answered 400 (a permanent failure)
@@ -51,6 +52,10 @@ class FakeHsx:
         if body.get("max_length") and len(ids) > body["max_length"]:
             cut = slice(-body["max_length"], None) if body.get("truncation") == "left" else slice(0, body["max_length"])
             ids, mask = ids[cut], mask[cut]
+        if path == "/tokenize":
+            return httpx.Response(200, json={"token_ids": ids.tolist(), "loss_mask": mask.tolist(),
+                                             "layer_ids": self.info["layer_ids"], "model": self.info["model"],
+                                             "request_id": "r"})
         layers = np.asarray(self.info["layer_ids"], np.float32)
         t = len(ids)
         hs = (ids[:, None, None] * 0.25 + layers[None, :, None] + np.arange(HIDDEN, dtype=np.float32) / HIDDEN)

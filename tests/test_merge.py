@@ -135,6 +135,35 @@ def test_merge_equals_a_single_client_run(tmp_path, inputs, fmt, capsys):
     assert again.exit_code == 0 and again.summary["message"] == "already complete"
 
 
+@pytest.mark.parametrize("variant", [{"dtype": "fp8"}, {"states": "none"}])
+def test_fp8_and_token_table_shards_merge_as_their_variant(tmp_path, inputs, variant):
+    """`--dtype fp8` / `--states none` shards: the merge uses the format's own variant (its
+    per-sample files, its finalize), and the result holds one client's corpus: the same
+    tensors in every sample file (hard links: their header names the shard's index), the
+    same table and vocab files."""
+    from safetensors.torch import load_file
+
+    settings = dict(seed=5, max_samples=12, draft_vocab_size=8, **variant)
+    single = tmp_path / "single"
+    extract(single, inputs, **settings)
+    out = tmp_path / "merged"
+    r = run_merge(out, make_shards(tmp_path, inputs, 2, **settings))
+    assert r.exit_code == 0, r.summary
+    fmt = get_format("speculators", **variant)
+    assert fmt.hs_path(0) != get_format("speculators").hs_path(0) or "dtype" in variant
+    for i in range(12):
+        got, want = load_file(out / fmt.hs_path(i)), load_file(single / fmt.hs_path(i))
+        assert got.keys() == want.keys() and all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
+                                                 for k in want), i
+    assert vocab_files(out) == vocab_files(single)
+    import datasets
+
+    assert datasets.load_from_disk(str(out)).with_format(None)[:] == datasets.load_from_disk(str(single)).with_format(None)[:]
+    corpus = json.loads((out / "hsx_corpus.json").read_text())
+    assert (corpus["states"], corpus["states_dtype"]) == (variant.get("states", "all"), variant.get("dtype", "auto"))
+    assert verify_corpus(out)["ok"]
+
+
 def test_failed_samples_are_left_out_and_listed(tmp_path, inputs):
     """A shard whose finalize compacted failed samples away: the merge reads each sample
     where finalize moved it, and lists the failed keys."""
@@ -252,6 +281,8 @@ def one_line_with(problems: list[str], words: str) -> None:
     ("format", {"fmt": "specforge"}, "on format"),
     ("global plan", {"seed": 9}, "different global plans"),
     ("shard count", {"count": 3}, "runs of different sizes"),
+    ("fp8", {"dtype": "fp8"}, "on states_dtype (hsx_corpus.json)"),
+    ("token table", {"states": "none"}, "on states (hsx_corpus.json)"),
 ])
 def test_shards_that_disagree_are_refused(tmp_path, inputs, pair, what, change, words):
     problems = refused(tmp_path / "out", [pair[0], other_shard1(tmp_path, inputs, **change)])
