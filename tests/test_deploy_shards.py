@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import os
 import re
 import shlex
 import subprocess

@@ -18,7 +18,6 @@ import shutil
 import signal
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

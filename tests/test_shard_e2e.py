@@ -18,11 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import need_fixtures, need_vllm
 from _e2e_helpers import (
     HSX,
     CliProcess,
-    ServerPool,
     assert_verify_ok,
     check_specforge_corpus,
     check_speculators_corpus,
@@ -46,17 +44,11 @@ FORMATS = {"speculators": ("per_turn", "left"), "specforge": ("all_turns", "righ
 
 
 @pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
-    """Two servers, as two nodes would run (module-scoped: nothing else uses this pair)."""
-    need_vllm()
-    need_fixtures()
+def nodes(e2e_pool):
+    """Two servers, as two nodes would run (the session's end-to-end pair)."""
     for mod in ("speculators", "specforge"):
         pytest.importorskip(mod, reason=f"{mod} is not installed (the trainers' readers)")
-    pool = ServerPool(tmp_path_factory.mktemp("shard-e2e-logs"))
-    try:
-        yield pool.get(2)
-    finally:
-        pool.stop_all()
+    return e2e_pool.get(2)
 
 
 def args_for(fmt: str) -> list[str]:

@@ -30,11 +30,9 @@ import torch
 
 from hsx.server_process import read_metrics
 
-from conftest import need_fixtures, need_vllm
 from _e2e_helpers import (
     HSX,
     CliProcess,
-    ServerPool,
     assert_each_index_once,
     assert_verify_ok,
     cli_env,
@@ -52,16 +50,9 @@ SEQ = 512  # speculators' total_seq_len: a few rows per packed batch
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    need_vllm()
-    need_fixtures()
+def pool(e2e_pool):
     pytest.importorskip("speculators", reason="speculators 0.9 is not installed (scripts/install.sh --test)")
-    p = ServerPool(tmp_path_factory.mktemp("online-server-logs"))
-    try:
-        p.get(2)  # started in parallel; the failover test kills one, get() replaces it
-        yield p
-    finally:
-        p.stop_all()
+    return e2e_pool  # the failover test kills one, get() replaces it
 
 
 def _tokens_served(url: str) -> float:
