@@ -239,7 +239,7 @@ class HsxClient:
         its shared memory: the result then has a `lease`, to read before `release_lease`.
         That skips the HTTP body (about 4x the throughput of one client process on an
         H200, bench/README.md), at the price of the release call."""
-        payload = json.dumps({k: v for k, v in body.items() if v is not None}).encode()
+        payload = _json_body(body)
         rid0 = request_id or uuid.uuid4().hex
 
         async def attempt(server: ServerState, rid: str) -> RawResponse:
@@ -247,6 +247,31 @@ class HsxClient:
             return await self._post_hidden_states(server, payload, rid, arena)
 
         return await self._pool.with_retries(attempt, rid0)
+
+    async def tokenize(self, body: dict[str, Any], *, request_id: str | None = None) -> dict[str, Any]:
+        """`POST /tokenize` with retries: the `token_ids` (and `loss_mask`) the server would
+        prefill for this `/hidden_states` body, computed without the engine."""
+        payload = _json_body(body)
+
+        async def attempt(server: ServerState, rid: str) -> dict[str, Any]:
+            http = self._ensure_open()
+            headers = {"Content-Type": "application/json", "X-Request-Id": rid}
+            try:
+                resp = await http.post(server.url + "/tokenize", content=payload, headers=headers)
+            except httpx.HTTPError as exc:
+                raise self._wrap_transport_error(exc, server, rid) from exc
+            if resp.status_code != 200:
+                raise error_from_response(resp.status_code, resp.content, resp.headers, server=server.url,
+                                          request_id=resp.headers.get("x-request-id") or rid)
+            try:
+                out = resp.json()
+                out["token_ids"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ServerError("/tokenize did not return token_ids", type="bad_response",
+                                  server=server.url, request_id=rid) from exc
+            return out
+
+        return await self._pool.with_retries(attempt, request_id)
 
     async def release_lease(self, lease: Lease) -> None:
         """Give a lease's range back. Raises LeaseExpiredError when it had expired (or the
@@ -392,3 +417,8 @@ class HsxClient:
 
 def _user_agent() -> str:
     return f"hsx-client/{hsx_version} httpx/{httpx.__version__}"
+
+
+def _json_body(body: dict[str, Any]) -> bytes:
+    """A request body as JSON, fields left at None omitted (the server's defaults apply)."""
+    return json.dumps({k: v for k, v in body.items() if v is not None}).encode()

@@ -227,7 +227,9 @@ class RunLoop:
         """The response, or None: the sample failed (logged) or the run stops."""
         st = self.state
         try:
-            raw = await st.client.hidden_states_response(st.request_body(index), lease_ok=True)
+            body = st.request_body(index)
+            fetch = getattr(st.fmt, "fetch", None)  # a format may ask for less than states (POST /tokenize)
+            raw = await (fetch(st.client, body) if fetch else st.client.hidden_states_response(body, lease_ok=True))
         except asyncio.CancelledError:
             if st.stopping:
                 return None  # abandoned: not done, redone on resume

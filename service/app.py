@@ -26,7 +26,7 @@ from hsx_service.guard import GuardMiddleware
 from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import Metrics
 from hsx_service.norm import FinalNorm
-from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus
+from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
 from hsx_service.response import accepts_zstd
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
@@ -187,6 +187,20 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         reply = work.result()
         return _ReleasingStream(reply.stream, reply.close, media_type=reply.headers.pop("Content-Type"),
                                 headers=reply.headers)
+
+    @app.post(
+        "/tokenize",
+        summary="Token ids and loss mask of an input, as /hidden_states would prefill them, without the engine",
+        response_model=TokenizeResponse,
+        responses={
+            **ERRORS,
+            400: {"model": ErrorResponse, "description": "bad input"},
+            413: {"model": ErrorResponse, "description": "body or token count over the limit"},
+            415: {"model": ErrorResponse, "description": "body is not application/json"},
+        },
+    )
+    async def tokenize(body: HiddenStatesRequest, request: Request):
+        return await _serving(request).service.tokenize(body, request.state.request_id)
 
     @app.delete(
         "/leases/{lease_id}",

@@ -133,6 +133,25 @@ class HiddenStatesService:
             raise BadInput(f"could not tokenize the input: {exc}") from exc
         return Prepared(self._truncate(enc, req), layer_ids, layer_index)
 
+    async def tokenize(self, req: HiddenStatesRequest, request_id: str) -> dict:
+        """POST /tokenize: the token ids and loss mask /hidden_states would prefill for
+        this body (same template, masks, truncation), without the engine: the token
+        table of an online-training corpus costs no GPU pass (`hsx extract --states none`).
+        The guard's gate door refuses it while draining, as it does /hidden_states."""
+        prep = await self.prepare(req)
+        enc, f = prep.encoded, self.facts
+        return {
+            "token_ids": enc.token_ids,
+            "loss_mask": enc.loss_mask,
+            "loss_mask_source": enc.mask_source,
+            "layer_ids": prep.layer_ids,
+            "model": f.served_model_name,
+            "model_revision": f.revision or "",
+            "chat_template_sha256": (self.tokenizer.template_sha256 or "") if req.messages and not req.chat_template else "",
+            "request_id": request_id,
+            "caller_id": req.id or "",
+        }
+
     # ------------------------------------------------------------------- the request
     async def run(self, req: HiddenStatesRequest, request_id: str, ticket: Ticket, zstd: bool,
                   lease: bool = False) -> Reply:
