@@ -1,4 +1,5 @@
-"""The response body: a safetensors file streamed from the arena, zstd-coded when accepted.
+"""The response body: a safetensors file streamed from the arena, coded as negotiated
+(`choose_coding`: identity, zstd content coding, or the bf16split media type).
 
 The header is built here (hsx.wire), the hidden-state bytes are read straight from
 the shared arena: compressed chunk by chunk in worker threads (zstandard releases
@@ -37,6 +38,32 @@ def accepts_zstd(accept_encoding: str | None) -> bool:
                     return False
             return True
     return False
+
+
+def accepts_media(accept: str | None, media_type: str) -> bool:
+    """RFC 9110 Accept: `media_type` named with q > 0 (no wildcard: it is an opt-in)."""
+    for part in (accept or "").split(","):
+        name, *params = (x.strip() for x in part.split(";"))
+        if name.lower() == media_type:
+            for prm in params:
+                if prm.lower().startswith("q="):
+                    try:
+                        return float(prm[2:]) > 0
+                    except ValueError:
+                        return False
+            return True
+    return False
+
+
+def choose_coding(accept: str | None, accept_encoding: str | None, dtype: str) -> str:
+    """identity | zstd | bf16split. bf16split only when asked for in Accept, the states
+    are bf16, and zstd is acceptable (its frames are zstd); else zstd when accepted."""
+    from hsx import bf16split
+
+    zstd = accepts_zstd(accept_encoding)
+    if zstd and dtype == "bfloat16" and accepts_media(accept, bf16split.MEDIA_TYPE):
+        return "bf16split"
+    return "zstd" if zstd else "identity"
 
 
 @dataclass
@@ -109,7 +136,8 @@ def stream_identity(body: Body, stats: Stats, executor: Executor | None = None) 
 
 def stream_zstd(body: Body, stats: Stats, level: int, executor: Executor | None) -> AsyncIterator[bytes]:
     """One zstd frame for the whole body (httpx's decoder cannot restart between frames
-    that end on a chunk boundary); many responses compress in parallel on the pool."""
+    that end on a chunk boundary); many responses compress in parallel on `executor`
+    (the server's compress pool, service/compress.py)."""
     cobj = zstandard.ZstdCompressor(level=level).compressobj(size=body.nbytes)
     return _pipelined(body, stats, functools.partial(_compress_step, cobj), executor)
 

@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the first is the headline): auto = shared-memory leases from this same-host "
                         "server, http = response bodies [auto]")
     p.add_argument("--codec", default="zstd:1",
-                   help="(c) response coding: zstd:LEVEL (server --zstd-level) or none [zstd:1]")
+                   help="(c) response coding: zstd:LEVEL (server --zstd-level), bf16split (exponent planes, "
+                        "zstd-1 frames) or none [zstd:1]")
     p.add_argument("--dtype", default="bfloat16", help="engine --dtype for every mode [bfloat16]")
     p.add_argument("--max-model-len", type=int, help="engine --max-model-len [prompt length + 16]")
     p.add_argument("--enforce-eager", action="store_true", help="engine --enforce-eager (no torch.compile/graphs)")
@@ -135,15 +136,17 @@ def main(argv: list[str]) -> int:
         return 2
     if args.codec == "none":
         args.codec_kind, args.codec_level = "none", None
+    elif args.codec == "bf16split":
+        args.codec_kind, args.codec_level = "bf16split", 1
     elif args.codec.startswith("zstd"):
         args.codec_kind = "zstd"
         args.codec_level = int(args.codec.partition(":")[2] or 1)
     else:
-        print(f"hsx bench: --codec {args.codec!r}: use zstd:LEVEL or none", file=sys.stderr)
+        print(f"hsx bench: --codec {args.codec!r}: use zstd:LEVEL, bf16split or none", file=sys.stderr)
         return 2
     # The client asks for identity with codec none (the server then sends raw bytes),
     # otherwise for zstd, even from this local server (its `auto` would not).
-    args.compression = "none" if args.codec_kind == "none" else "zstd"
+    args.compression = {"none": "none", "bf16split": "bf16split"}.get(args.codec_kind, "zstd")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODE_NAMES for m in modes):
         print(f"hsx bench: --modes {args.modes!r}: a comma list of a, b, c", file=sys.stderr)
