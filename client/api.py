@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -336,6 +337,7 @@ class HsxClient:
                     raise error_from_response(
                         resp.status_code, content, resp.headers, server=server.url, request_id=resp_rid
                     )
+                t_headers = time.perf_counter()
                 encoding = resp.headers.get("content-encoding", "identity").strip().lower()
                 ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
                 if ctype == bf16split.MEDIA_TYPE:  # a zstd stream of its own: not a content coding
@@ -354,6 +356,8 @@ class HsxClient:
                     encoding = "identity"
         except httpx.HTTPError as exc:
             raise self._wrap_transport_error(exc, server, rid) from exc
+        t_body = time.perf_counter()
+        server.receive_s += t_body - t_headers
         lease = None
         try:
             if ctype == wire.LEASE_MEDIA_TYPE:
@@ -368,6 +372,7 @@ class HsxClient:
                 lease.states = arena.view(int(desc["offset"]), int(desc["nbytes"]))
             else:
                 body = await asyncio.to_thread(_finish_body, raw, encoding)
+                server.decode_s += time.perf_counter() - t_body
         except Exception as exc:  # zstd error or malformed safetensors
             if lease is not None:  # give the range back now rather than at its expiry
                 try:

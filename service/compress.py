@@ -30,6 +30,7 @@ import zstandard
 
 from hsx import bf16split
 from hsx.wire import TensorSpec, encode_header
+from hsx_service.response import timed
 
 PIECE = bf16split.PIECE
 
@@ -82,7 +83,7 @@ async def _in_order(tasks: list[tuple[memoryview, Callable[[memoryview], bytes]]
                     break  # the global bound is reached: send what is done first
                 await pool.slots.acquire()
                 view, fn = tasks[nxt]
-                fut = loop.run_in_executor(pool.executor, fn, view)
+                fut = loop.run_in_executor(pool.executor, timed(stats, fn), view)
                 fut.add_done_callback(release)
                 running.append(fut)
                 stats.raw += len(view)

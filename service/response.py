@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -90,6 +92,24 @@ class Stats:
         self.raw = 0
         self.wire = 0
         self.complete = False  # every byte handed to the server
+        self.work_s = 0.0  # seconds of pool time spent copying / compressing this body
+
+
+_work_lock = threading.Lock()  # pieces of one body finish in parallel threads
+
+
+def timed(stats: Stats, fn):
+    """`fn` whose run time (in its pool thread) adds to `stats.work_s`."""
+
+    def run(*args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            with _work_lock:
+                stats.work_s += time.perf_counter() - t
+
+    return run
 
 
 def _copy_out(chunk: memoryview, last: bool) -> memoryview:
@@ -109,7 +129,7 @@ async def _pipelined(body: Body, stats: Stats, step, executor: Executor | None) 
         for i, chunk in enumerate(chunks):
             done = await pending if pending is not None else None
             stats.raw += len(chunk)
-            pending = loop.run_in_executor(executor, step, chunk, i == len(chunks) - 1)
+            pending = loop.run_in_executor(executor, timed(stats, step), chunk, i == len(chunks) - 1)
             if done:
                 stats.wire += len(done)
                 yield done

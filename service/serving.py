@@ -207,6 +207,8 @@ class HiddenStatesService:
             self.metrics.requests.labels("ok" if stats.complete else "aborted").inc()
             self.metrics.latency.observe(time.perf_counter() - started)
             self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
+            if lease_id is None:  # pool seconds in this body's copies or compression, within send
+                self.metrics.phase.labels("encode_identity" if coding == "identity" else "compress").observe(stats.work_s)
 
         headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n), "Content-Type": MEDIA_TYPE}
         if lease_id is not None:  # a few KB: never worth compressing

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  hsx bench --quick --out quick.json\n"
         "  hsx bench --h200 --out h200.json            # one H200, vLLM 0.26\n"
         "  hsx bench --model DIR --prompts 128 --prompt-len 1024 --layers 2,16,29,32 --engine-arg=--enforce-eager\n"
-        "  hsx bench --codec-only",
+        "  hsx bench --codec-only\n  hsx bench --transport-only --body-mb 64 --requests 64 --concurrency 8",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="model directory or hub id")
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", default="zstd:1",
                    help="(c) response coding: zstd:LEVEL (server --zstd-level), bf16split (exponent planes, "
                         "zstd-1 frames) or none [zstd:1]")
+    p.add_argument("--client-process", action="store_true",
+                   help="(c): run the client in its own process tree (own session), over TCP to the server, "
+                        "as a client on another host would be (loopback standing in for the network)")
     p.add_argument("--dtype", default="bfloat16", help="engine --dtype for every mode [bfloat16]")
     p.add_argument("--max-model-len", type=int, help="engine --max-model-len [prompt length + 16]")
     p.add_argument("--enforce-eager", action="store_true", help="engine --enforce-eager (no torch.compile/graphs)")
@@ -105,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(c): measure the codecs on this many of the corpus files (0: no)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds an engine may take to start [900]")
     p.add_argument("--codec-only", action="store_true", help="run the codec measurement only (bench/codec.py)")
+    p.add_argument("--transport-only", action="store_true",
+                   help="run the HTTP client transport study only (hsx/bench/transport.py; its own flags follow)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
@@ -116,6 +121,11 @@ def main(argv: list[str]) -> int:
         from hsx.bench.codec import main as codec_main
 
         return codec_main(argv)
+    if "--transport-only" in argv:
+        argv.remove("--transport-only")
+        from hsx.bench.transport import main as transport_main
+
+        return transport_main(argv)
     args = build_parser().parse_args(argv)
     if args.worker:
         from hsx.bench.engines import worker_main
@@ -208,6 +218,7 @@ def _run(args: argparse.Namespace, modes: list[str], workdir: Path) -> int:
         "concurrency": args.concurrency,
         "codec": args.codec,
         "transfer": args.transfer,
+        "client_process": args.client_process,
         "engine_flags": engine_flags,
         "server_args": args.server_arg,
         "hardware": hardware(),

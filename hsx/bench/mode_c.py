@@ -90,7 +90,10 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
                 f"{fired['leased']}/{len(fresh)} leased")
         for i, transfer in enumerate(args.transfers):
             out = out_dir if i == 0 else out_dir.with_name(f"{out_dir.name}-{transfer}")
-            one = _measure_extract(ctx, args, server, inputs, out, prompts, transfer, timeout)
+            if getattr(args, "client_process", False):
+                one = _measure_in_own_process(ctx, args, server, inputs, out, prompts, transfer, timeout, workdir)
+            else:
+                one = _measure_extract(ctx, args, server, inputs, out, prompts, transfer, timeout)
             res.setdefault("by_transfer", {})[transfer] = one
             if i == 0:  # the headline figures: the first transfer asked for (auto = lease when same host)
                 res.update(one)
@@ -114,6 +117,29 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
         server.stop(60)
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)
+    return res
+
+
+def _measure_in_own_process(ctx: dict[str, Any], args: argparse.Namespace, server: ServerProcess, inputs: Path,
+                            out_dir: Path, prompts: list[list[int]], transfer: str, timeout: float,
+                            workdir: Path) -> dict[str, Any]:
+    """`_measure_extract` in a child of its own session (hsx/bench/client_proc.py)."""
+    import subprocess
+    import sys
+
+    spec_path, out_path = workdir / f"client-{transfer}.json", workdir / f"client-{transfer}.result.json"
+    spec = {"ctx": ctx, "url": server.url, "server_log": str(server.log_path), "inputs": str(inputs),
+            "out_dir": str(out_dir), "prompts": prompts, "transfer": transfer, "timeout": timeout,
+            "args": {k: getattr(args, k) for k in ("concurrency", "compression", "codec")}}
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    log(f"(c) client in its own process tree (transfer {transfer})")
+    rc = subprocess.run([sys.executable, "-m", "hsx.bench.client_proc", str(spec_path), str(out_path)],
+                        env=child_env(), start_new_session=True).returncode
+    if rc != 0 or not out_path.exists():
+        raise RuntimeError(f"(c) the client process ended {rc}\n{server.log_tail()}")
+    res = json.loads(out_path.read_text())
+    res["client_process"] = True
     return res
 
 
@@ -144,6 +170,7 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     def on_end(run) -> None:
         timings["t1"] = time.monotonic()
         timings["stats"] = run.client.stats()
+        timings["store_s"] = run.store_s
 
     cfg = ExtractConfig(
         servers=[server.url], output=out_dir, inputs=[str(inputs)], format="speculators",
@@ -169,6 +196,11 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
         hs_bytes=tokens * len(ctx["layers"]) * ctx["hidden"] * ctx["itemsize"],
         client_retries=stats["retries"], client_errors=stats["errors"],
     )
+    n = max(1, int(summ["done"]))
+    res["client_profile"] = {  # mean seconds per sample, summed over concurrent requests
+        "receive_s": stats.get("receive_s", 0.0) / n, "decode_s": stats.get("decode_s", 0.0) / n,
+        "store_s": timings.get("store_s", 0.0) / n, "concurrency": args.concurrency,
+    }
     res["client_memory"] = {**own_memory(), "hwm_reset_before_run": hwm_reset}
     res["corpus"] = check_corpus(out_dir, prompts, ctx)
     log(f"(c) [{transfer}] {res['tokens_per_s']:,.0f} tokens/s; finalize {res['finalize_s'] or 0:.1f}s; corpus "
