@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer", default="auto",
                    help="(c) client transfer, or several comma-separated, each timed on the same server "
                         "(the first is the headline): auto = shared-memory leases from this same-host "
-                        "server, http = response bodies [auto]")
+                        "server, http = response bodies coded as --codec says, http:none / http:zstd / "
+                        "http:bf16split = bodies with that coding [auto]")
     p.add_argument("--codec", default="zstd:1",
                    help="(c) response coding: zstd:LEVEL (server --zstd-level), bf16split (exponent planes, "
                         "zstd-1 frames) or none [zstd:1]")
@@ -141,8 +142,10 @@ def main(argv: list[str]) -> int:
             return 2
         args.make_model = preset["make_model"]
     args.transfers = [t.strip() for t in args.transfer.split(",") if t.strip()]
-    if not args.transfers or set(args.transfers) - {"auto", "http"}:
-        print(f"hsx bench: --transfer {args.transfer!r}: use auto, http or both comma-separated", file=sys.stderr)
+    if not args.transfers or {t.partition(":")[0] if t.startswith("http:") and t[5:] in ("none", "zstd", "bf16split")
+                              else t for t in args.transfers} - {"auto", "http"}:
+        print(f"hsx bench: --transfer {args.transfer!r}: a comma list of auto, http, http:none, http:zstd, "
+              "http:bf16split", file=sys.stderr)
         return 2
     if args.codec == "none":
         args.codec_kind, args.codec_level = "none", None

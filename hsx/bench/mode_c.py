@@ -89,11 +89,13 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
             log(f"(c) server+lease only (states not read): {res['server_lease_only']['tokens_per_s']:,.0f} tokens/s, "
                 f"{fired['leased']}/{len(fresh)} leased")
         for i, transfer in enumerate(args.transfers):
-            out = out_dir if i == 0 else out_dir.with_name(f"{out_dir.name}-{transfer}")
+            out = out_dir if i == 0 else out_dir.with_name(f"{out_dir.name}-{transfer.replace(':', '-')}")
+            before = server_phases(server)
             if getattr(args, "client_process", False):
                 one = _measure_in_own_process(ctx, args, server, inputs, out, prompts, transfer, timeout, workdir)
             else:
                 one = _measure_extract(ctx, args, server, inputs, out, prompts, transfer, timeout)
+            one["server_phases"] = _phase_delta(before, server_phases(server))
             res.setdefault("by_transfer", {})[transfer] = one
             if i == 0:  # the headline figures: the first transfer asked for (auto = lease when same host)
                 res.update(one)
@@ -127,7 +129,8 @@ def _measure_in_own_process(ctx: dict[str, Any], args: argparse.Namespace, serve
     import subprocess
     import sys
 
-    spec_path, out_path = workdir / f"client-{transfer}.json", workdir / f"client-{transfer}.result.json"
+    name = transfer.replace(":", "-")
+    spec_path, out_path = workdir / f"client-{name}.json", workdir / f"client-{name}.result.json"
     spec = {"ctx": ctx, "url": server.url, "server_log": str(server.log_path), "inputs": str(inputs),
             "out_dir": str(out_dir), "prompts": prompts, "transfer": transfer, "timeout": timeout,
             "args": {k: getattr(args, k) for k in ("concurrency", "compression", "codec")}}
@@ -153,6 +156,9 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     res: dict[str, Any] = {"transfer": transfer}
+    transfer, _, coding = transfer.partition(":")  # http:bf16split: this run's coding
+    compression = coding or args.compression
+    res["compression"] = compression
     hwm_reset = reset_own_hwm()
     timings: dict[str, Any] = {}
     total = len(prompts)
@@ -175,10 +181,10 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     cfg = ExtractConfig(
         servers=[server.url], output=out_dir, inputs=[str(inputs)], format="speculators",
         concurrency_per_server=args.concurrency, quiet=True, timeout=max(600.0, timeout),
-        compression=args.compression, transfer=transfer,
+        compression=compression, transfer=transfer,
     )
     log(f"(c) measuring {total} prompts x {ctx['prompt_len']} tokens, concurrency {args.concurrency}, "
-        f"transfer {transfer}, codec {args.codec} -> {out_dir}")
+        f"transfer {transfer}, coding {compression} -> {out_dir}")
     t_run = time.monotonic()
     result = run_extract(cfg, run_hooks=RunHooks(on_start=on_start, on_stored=on_stored, on_end=on_end))
     res["run_s"] = time.monotonic() - t_run
@@ -206,6 +212,17 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     log(f"(c) [{transfer}] {res['tokens_per_s']:,.0f} tokens/s; finalize {res['finalize_s'] or 0:.1f}s; corpus "
         f"{res['corpus'].get('rows')} rows, {fmt_bytes(res['corpus'].get('disk_bytes'))} on disk")
     return res
+
+
+def _phase_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The phases of the requests between two readings (one timed run)."""
+    out = {}
+    for p, a in after.items():
+        b = before.get(p, {"count": 0, "total_s": 0.0})
+        n, s = a["count"] - b["count"], a["total_s"] - b["total_s"]
+        if n > 0:
+            out[p] = {"mean_s": s / n, "count": n, "total_s": s}
+    return out
 
 
 def server_phases(server: ServerProcess) -> dict[str, dict[str, float]]:
