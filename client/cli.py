@@ -87,9 +87,10 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                         "Slurm: SLURM_ARRAY_TASK_COUNT)")
     p.add_argument("--concurrency-per-server", type=_positive, default=env.concurrency_per_server,
                    help=f"requests in flight per server (default {DEFAULTS.concurrency_per_server})")
-    p.add_argument("--compression", choices=["auto", "zstd", "none"], default=env.compression,
-                   help="ask servers for zstd responses: auto = only servers on other hosts, where the "
-                        "bytes saved (~22%%) are worth the CPU (default auto; env HSX_COMPRESSION)")
+    p.add_argument("--compression", choices=["auto", "zstd", "bf16split", "none"], default=env.compression,
+                   help="response coding: zstd (~1.27x), bf16split (bf16 exponent planes, ~1.5x; zstd for "
+                        "other dtypes), none; auto = none from local servers, bf16split from servers on "
+                        "other hosts, where the bytes saved are worth the CPU (default auto; env HSX_COMPRESSION)")
     p.add_argument("--transfer", choices=["auto", "http"], default=env.transfer,
                    help="auto: a server on this host hands over the states in shared memory (a lease) "
                         "instead of an HTTP body, when it offers that and this process may map it; "

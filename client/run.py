@@ -86,6 +86,7 @@ class RunState:
     fatal: BaseException | None = None
     consecutive_5xx: int = 0
     lease_redos: dict[int, int] = field(default_factory=dict)
+    store_s: float = 0.0  # summed over samples: decode, encode, write, fsync (bench's profile)
 
     def request_body(self, index: int) -> dict[str, Any]:
         sample = self.by_key[self.keys[index]]
@@ -258,9 +259,11 @@ class RunLoop:
         lease = _HeldLease(st.client, raw.lease)
         try:
             # Shielded: a stop must not leave a file half-written by a cancelled await.
+            t = time.perf_counter()
             entry, written = await asyncio.shield(
                 loop.run_in_executor(self._pool, self._store, index, raw, raw.lease is None)
             )
+            st.store_s += time.perf_counter() - t
             if raw.lease is not None:
                 try:
                     await lease.release()

@@ -27,7 +27,7 @@ from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import Metrics
 from hsx_service.norm import FinalNorm
 from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
-from hsx_service.response import accepts_zstd
+from hsx_service.response import choose_coding
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 
@@ -172,8 +172,8 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     async def hidden_states(body: HiddenStatesRequest, request: Request):
         service = _serving(request).service
         lease = service.leases is not None and LEASE_MEDIA_TYPE in request.headers.get("accept", "")
-        zstd = accepts_zstd(request.headers.get("accept-encoding"))
-        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, zstd, lease))
+        coding = choose_coding(request.headers.get("accept"), request.headers.get("accept-encoding"), service.facts.dtype)
+        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, coding, lease))
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
