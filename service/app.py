@@ -30,6 +30,7 @@ from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus
 from hsx_service.response import accepts_zstd
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
+from hsx_service.tokenize_pool import TokenizerPool
 
 log = logging.getLogger("hsx.app")
 
@@ -55,6 +56,7 @@ class ServerState:
     final_norm_error: str | None = None
     startup_error: str | None = None
     arena_socket: ArenaSocket | None = None  # when same-host leases are on
+    tokenizer_pool: TokenizerPool | None = None  # once the engine has started
 
     def __post_init__(self) -> None:
         self.gate = AdmissionGate(self.settings.max_inflight, self.settings.max_queued_tokens, self.metrics)

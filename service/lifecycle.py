@@ -39,7 +39,7 @@ from hsx_service.lease import ArenaSocket
 from hsx_service.norm import load_final_norm
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
-from hsx_service.tokenize import Tokenizer
+from hsx_service.tokenize_pool import TokenizerPool
 
 log = logging.getLogger("hsx")
 
@@ -101,6 +101,8 @@ class Lifecycle:
                 st.arena_socket.close()
             if st.service is not None and st.service.leases is not None:
                 st.service.leases.end_all()
+            if st.tokenizer_pool is not None:
+                await asyncio.to_thread(st.tokenizer_pool.close)
             st.extractor.shutdown()
 
     async def start_engine(self) -> None:
@@ -112,8 +114,12 @@ class Lifecycle:
             if st.settings.chat_template:
                 with open(st.settings.chat_template) as fh:
                     template = fh.read()
-            tokenizer = await asyncio.to_thread(Tokenizer, f.tokenizer, f.tokenizer_revision, f.trust_remote_code,
-                                                template)
+            tokenizer = st.tokenizer_pool = TokenizerPool(
+                f.tokenizer, f.tokenizer_revision, f.trust_remote_code, template,
+                workers=st.settings.tokenize_workers, queue=st.settings.tokenize_queue,
+                timeout=st.settings.tokenize_timeout, memory=st.settings.tokenize_memory,
+            )
+            await tokenizer.ready()
             try:
                 st.final_norm = await asyncio.to_thread(load_final_norm, f.model, f.revision, st.extractor.text_config)
             except Exception as exc:  # served anyway; /final_norm explains
