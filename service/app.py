@@ -19,9 +19,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hsx import __version__ as hsx_version
 from hsx.wire import LEASE_MEDIA_TYPE, MEDIA_TYPE, TensorSpec, encode_header
-from hsx_service.admission import AdmissionGate
+from hsx_service.admission import DRAIN_RETRY_AFTER, AdmissionGate
+from hsx_service.docs import attach_offline_docs, offline_docs_app_kwargs
 from hsx_service.engine import Extractor
-from hsx_service.errors import LeaseGone, NotAvailable, NotReady, install_error_handlers
+from hsx_service.errors import Draining, LeaseGone, NotAvailable, NotReady, install_error_handlers
 from hsx_service.guard import GuardMiddleware
 from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import Metrics
@@ -57,6 +58,9 @@ class ServerState:
     startup_error: str | None = None
     arena_socket: ArenaSocket | None = None  # when same-host leases are on
     tokenizer_pool: TokenizerPool | None = None  # once the engine has started
+    # Set when the drain's --shutdown-timeout is over: requests still being prepared or
+    # prefilled are answered 503 (never a closed connection or a bare 500).
+    cut_off: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.gate = AdmissionGate(self.settings.max_inflight, self.settings.max_queued_tokens, self.metrics)
@@ -75,7 +79,9 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         version=hsx_version,
         description="Hidden states of a vLLM-served model for every token of a prompt or chat, for EAGLE-3 training.",
         lifespan=lifespan,
+        **offline_docs_app_kwargs(),
     )
+    attach_offline_docs(app)
     app.state.hsx = st
     install_error_handlers(app, st.metrics)
     app.add_middleware(GuardMiddleware, settings=st.settings, gate=st.gate, metrics=st.metrics)
@@ -172,18 +178,25 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         },
     )
     async def hidden_states(body: HiddenStatesRequest, request: Request):
-        service = _serving(request).service
+        st = _serving(request)
+        service = st.service
         lease = service.leases is not None and LEASE_MEDIA_TYPE in request.headers.get("accept", "")
         zstd = accepts_zstd(request.headers.get("accept-encoding"))
         work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, zstd, lease))
         gone = asyncio.ensure_future(_client_gone(request))
+        cut_off = asyncio.ensure_future(st.cut_off.wait())
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, gone, cut_off}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
+            cut_off.cancel()
         if not work.done():
-            # The caller left: cancelling aborts the engine request and frees its memory.
+            # Cancelling aborts the engine request (or stops its tokenizer process) and frees its memory.
             work.cancel()
+            if st.cut_off.is_set():
+                service.metrics.requests.labels("cut_off").inc()
+                raise Draining("the server shut down before this request finished (--shutdown-timeout); "
+                               "send it to another server", retry_after=DRAIN_RETRY_AFTER, reason="cut_off")
             service.metrics.requests.labels("disconnected").inc()
             return Response(status_code=499)
         reply = work.result()

@@ -19,13 +19,14 @@ import uuid
 
 from hsx_service.admission import AdmissionGate
 from hsx_service.auth import key_matches
+from hsx_service.docs import ASSET_PATHS
 from hsx_service.errors import (BodyTimeout, HeadersTooLarge, Overloaded, ServiceError, TooLarge, Unauthorized,
                                UnsupportedMedia, render)
 from hsx_service.metrics import Metrics
 from hsx_service.settings import ServiceSettings
 
 PROBE_PATHS = ("/health", "/ready", "/metrics")
-DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", *ASSET_PATHS)
 PUBLIC_PATHS = PROBE_PATHS + DOC_PATHS
 MAX_REQUEST_ID = 128
 

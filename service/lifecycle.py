@@ -10,8 +10,10 @@
          flight and stops the server with exit 1 (so the orchestrator restarts it), as a
          failed start does;
       4. SIGTERM / SIGINT: the drain. /ready and new requests answer 503 at once; requests
-         in flight and live leases get up to --shutdown-timeout; then the server stops and
-         exits 0. A second SIGINT stops at once.
+         in flight (tokenizing, queued or prefilling) and live leases get up to
+         --shutdown-timeout; what is still being prepared then is answered 503 (cut_off);
+         then the server stops and exits 0, the tokenizer processes and the engine with
+         it, within --shutdown-timeout + a few seconds. A second SIGINT stops at once.
       5. the lifespan's end: the arena socket closes, live leases end, vLLM shuts down and
          the arena goes.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -46,6 +49,7 @@ log = logging.getLogger("hsx")
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 WATCH_INTERVAL = 0.5
 DRAIN_POLL = 0.05
+CUT_OFF_GRACE = 2.0  # after --shutdown-timeout: seconds for the cut-off requests' 503s and open bodies
 
 
 def serve(settings: ServiceSettings, engine_args: Any) -> int:
@@ -57,7 +61,28 @@ def serve(settings: ServiceSettings, engine_args: Any) -> int:
         extractor.shutdown()
         print(f"hsx serve: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    return Lifecycle(ServerState(settings=settings, extractor=extractor)).run()
+    state = ServerState(settings=settings, extractor=extractor)
+    code = Lifecycle(state).run()
+    if state.startup_error:  # the cause as the last line, not a hundred lines above
+        print(f"hsx serve: error: {state.startup_error}", file=sys.stderr)
+    return code
+
+
+def start_failure(exc: BaseException) -> str:
+    """One line: every distinct message down the exception chain, and where vLLM CPU
+    failed for memory, what to set."""
+    parts: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(parts) < 4:
+        text = f"{type(seen).__name__}: {seen}".splitlines()[0] if str(seen) else type(seen).__name__
+        if text not in parts:
+            parts.append(text)
+        seen = seen.__cause__ or seen.__context__
+    line = "engine start failed: " + " <- ".join(parts)
+    if "VLLM_CPU_KVCACHE_SPACE" in os.environ and any(w in line.lower() for w in ("memory", "kv cache", "cache")):
+        line += (f" (VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB: "
+                 "set a smaller one, or --max-model-len)")
+    return line
 
 
 class Lifecycle:
@@ -73,7 +98,8 @@ class Lifecycle:
             host=s.host,
             port=s.port,
             log_level=s.log_level.lower(),
-            timeout_graceful_shutdown=max(1, int(s.shutdown_timeout)),
+            # The drain has already waited --shutdown-timeout: uvicorn then only closes what is left.
+            timeout_graceful_shutdown=int(CUT_OFF_GRACE) + 1,
             timeout_keep_alive=30,
         )
         self._server = _DrainingServer(config, self)
@@ -140,7 +166,7 @@ class Lifecycle:
             raise
         except Exception as exc:
             log.exception("engine start failed")
-            st.startup_error = f"engine start failed: {exc}"
+            st.startup_error = start_failure(exc)
             self.fail(st.startup_error)
 
     async def watch_engine(self) -> None:
@@ -166,7 +192,11 @@ class Lifecycle:
         while busy() > 0 and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL)
         if busy():
-            log.warning("drain timeout: %d requests or leases cut off", busy())
+            log.warning("drain timeout: %d requests or leases cut off (answered 503)", busy())
+            st.cut_off.set()
+            grace = time.monotonic() + CUT_OFF_GRACE  # for the 503s to be sent
+            while st.gate.in_flight > 0 and time.monotonic() < grace:
+                await asyncio.sleep(DRAIN_POLL)
         if self._server is not None:
             self._server.should_exit = True
 
