@@ -24,7 +24,7 @@ from hsx_service.docs import attach_offline_docs, offline_docs_app_kwargs
 from hsx_service.engine import Extractor
 from hsx_service.errors import Draining, LeaseGone, NotAvailable, NotReady, install_error_handlers
 from hsx_service.guard import GuardMiddleware
-from hsx_service.lease import ArenaSocket
+from hsx_service.lease import SESSION_HEADER, ArenaSocket, key_may_lease
 from hsx_service.metrics import Metrics
 from hsx_service.norm import FinalNorm
 from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus
@@ -133,7 +133,7 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
             "chat_template_sha256": s.service.tokenizer.template_sha256,
             "vllm_version": f.vllm_version,
             "hsx_version": hsx_version,
-            "shm_lease": None if s.arena_socket is None else {
+            "shm_lease": None if s.arena_socket is None or not _may_lease(s, request) else {
                 "socket": s.arena_socket.address,
                 "arena_id": s.extractor.arena.arena_id,
                 "boot_id": s.arena_socket.boot_id,
@@ -180,9 +180,10 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     async def hidden_states(body: HiddenStatesRequest, request: Request):
         st = _serving(request)
         service = st.service
-        lease = service.leases is not None and LEASE_MEDIA_TYPE in request.headers.get("accept", "")
+        lease, session = _lease_terms(st, request)
         zstd = accepts_zstd(request.headers.get("accept-encoding"))
-        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, zstd, lease))
+        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, zstd, lease,
+                                                 session))
         gone = asyncio.ensure_future(_client_gone(request))
         cut_off = asyncio.ensure_future(st.cut_off.wait())
         try:
@@ -247,6 +248,31 @@ async def _client_gone(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _key(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _lease_terms(st: ServerState, request: Request) -> tuple[bool, str | None]:
+    """Whether this request gets a lease, and the lease session it belongs to. Only keys
+    marked for leases get one; a session the arena socket does not know (closed, or
+    made up) gets an HTTP body, so no lease outlives its client's connection."""
+    if st.service.leases is None or LEASE_MEDIA_TYPE not in request.headers.get("accept", ""):
+        return False, None
+    if not _may_lease(st, request):
+        return False, None
+    session = request.headers.get(SESSION_HEADER)
+    if session is not None and (st.arena_socket is None or session not in st.arena_socket.sessions):
+        return False, None
+    return True, session
+
+
+def _may_lease(st: ServerState, request: Request) -> bool:
+    s = st.settings
+    return key_may_lease((_key(request) or "").encode(), [k.encode() for k in s.accepted_keys],
+                         [k.encode() for k in s.lease_api_key])
 
 
 def _serving(request: Request) -> ServerState:

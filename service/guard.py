@@ -34,7 +34,7 @@ MAX_REQUEST_ID = 128
 class GuardMiddleware:
     def __init__(self, app, settings: ServiceSettings, gate: AdmissionGate, metrics: Metrics):
         self.app = app
-        self.keys = [k.encode() for k in settings.api_key]
+        self.keys = [k.encode() for k in settings.accepted_keys]
         self.max_body = settings.max_body_bytes
         self.body_timeout = settings.body_timeout
         self.max_receiving = settings.max_receiving

@@ -156,7 +156,12 @@ class Lifecycle:
             if service.leases is not None:
                 arena = st.extractor.arena
                 try:
-                    st.arena_socket = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, st.settings.api_key).start()
+                    st.arena_socket = ArenaSocket(
+                        arena.ro_fd, arena.arena_id, arena.size, st.settings.accepted_keys,
+                        lease_keys=st.settings.lease_api_key, on_session_end=service.leases.end_session,
+                    ).start()
+                    if st.settings.api_key and not st.settings.lease_api_key:
+                        log.info("same-host leases: no key is marked for them (--lease-api-key); HTTP bodies only")
                 except OSError as exc:  # e.g. no abstract sockets here: serve HTTP bodies only
                     log.warning("same-host leases off: cannot open the arena socket: %s", exc)
                     service.leases = None

@@ -27,7 +27,7 @@ class Metrics:
         self.engine_running = Gauge("hsx_engine_requests", "Requests inside the vLLM engine", registry=r)
         self.arena_used = Gauge("hsx_arena_used_bytes", "Shared-memory arena bytes held by requests", registry=r)
         self.leases = Counter(
-            "hsx_leases", "Same-host leases: granted, released, expired, unsent", ["outcome"], registry=r
+            "hsx_leases", "Same-host leases: granted, released, expired, unsent, client_gone", ["outcome"], registry=r
         )
         self.leases_live = Gauge("hsx_leases_live", "Same-host leases not yet released", registry=r)
         self.latency = Histogram(

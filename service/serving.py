@@ -151,7 +151,7 @@ class HiddenStatesService:
 
     # ------------------------------------------------------------------- the request
     async def run(self, req: HiddenStatesRequest, request_id: str, ticket: Ticket, zstd: bool,
-                  lease: bool = False) -> Reply:
+                  lease: bool = False, session: str | None = None) -> Reply:
         """Prepare, admit (`ticket`), prefill; raises ServiceError on refusal. `lease`:
         answer with a lease on the arena range instead of the states' bytes (lease.py);
         the range then lives until the lease is released or expires."""
@@ -170,10 +170,11 @@ class HiddenStatesService:
             raise
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
-        return self._reply(req, prep, reservation, request_id, zstd, lease and self.leases is not None, started)
+        return self._reply(req, prep, reservation, request_id, zstd, lease and self.leases is not None, started,
+                           session)
 
     def _reply(self, req: HiddenStatesRequest, prep: Prepared, reservation: Reservation, request_id: str,
-               zstd: bool, lease: bool, started: float) -> Reply:
+               zstd: bool, lease: bool, started: float, session: str | None = None) -> Reply:
         t_send = time.perf_counter()
         f = self.facts
         ids = prep.encoded.token_ids
@@ -190,7 +191,7 @@ class HiddenStatesService:
             specs.pop(0)
             parts.pop(0)
             extent = reservation.extent
-            lease_id = self.leases.grant(reservation.hand_over())
+            lease_id = self.leases.grant(reservation.hand_over(), session)
             self.metrics.leases.labels("granted").inc()
             metadata["lease"] = json.dumps({
                 "id": lease_id, "arena_id": self.extractor.arena.arena_id, "offset": extent.offset,

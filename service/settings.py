@@ -85,6 +85,11 @@ class ServiceSettings(BaseSettings):
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of compressed responses")
     log_level: str = Field("info", description="Log level (debug, info, warning, error)")
 
+    @property
+    def accepted_keys(self) -> list[str]:
+        """Every key that may call the API: --api-key and --lease-api-key."""
+        return list(dict.fromkeys([*self.api_key, *self.lease_api_key]))
+
     _split_layers = field_validator("layers", mode="before")(_int_list)
     _split_keys = field_validator("api_key", "lease_api_key", mode="before")(_str_list)
 
