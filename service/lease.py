@@ -148,7 +148,10 @@ class ArenaSocket:
         return "@" + self.name  # the usual notation of an abstract address
 
     def start(self) -> "ArenaSocket":
-        self._loop = asyncio.get_running_loop()
+        try:  # the loop to tell of closed sessions (none: a test without one)
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self._thread.start()
         return self
 
@@ -224,7 +227,7 @@ class ArenaSocket:
                 return None
             line += chunk
         if not self._allowed(conn, line.strip()):
-            reason = ("this API key may not take leases (the server's --lease-api-key)" if self._keys
+            reason = ("not allowed: this API key may not take leases (the server's --lease-api-key)" if self._keys
                       else "not allowed: another user")
             conn.sendall(json.dumps({"error": reason}).encode())
             return None
