@@ -29,6 +29,7 @@ PROBE_PATHS = ("/health", "/ready", "/metrics")
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", *ASSET_PATHS)
 PUBLIC_PATHS = PROBE_PATHS + DOC_PATHS
 MAX_REQUEST_ID = 128
+RECEIVING_GRACE = 1.0  # seconds a body gets to arrive when --max-receiving slow senders hold every place
 
 
 class GuardMiddleware:
@@ -98,11 +99,17 @@ class GuardMiddleware:
         """The whole body within --body-timeout, at most --max-receiving at once: a slow
         or silent sender holds a receiving place for a bounded time and never an
         admission place. None when the client disconnected."""
-        if self.receiving >= self.max_receiving:
-            raise Overloaded(f"{self.receiving} requests are still sending their bodies (limit "
-                             f"{self.max_receiving}); retry shortly", reason="receiving")
-        self.receiving += 1
         chunks: list[bytes] = []
+        if self.receiving >= self.max_receiving:
+            # Full of slow senders: a body that is already here (or nearly) still gets in,
+            # so they cannot lock out clients whose bodies have arrived.
+            try:
+                return await asyncio.wait_for(self._read_chunks(receive, chunks), RECEIVING_GRACE)
+            except asyncio.TimeoutError:
+                raise Overloaded(f"{self.receiving} requests are still sending their bodies (limit "
+                                 f"{self.max_receiving}) and this one's did not arrive within "
+                                 f"{RECEIVING_GRACE:g}s; retry shortly", reason="receiving") from None
+        self.receiving += 1
         try:
             return await asyncio.wait_for(self._read_chunks(receive, chunks), self.body_timeout)
         except asyncio.TimeoutError:

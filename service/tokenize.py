@@ -103,6 +103,8 @@ class Tokenizer:
                 return self.tok.apply_chat_template(
                     msgs, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=gen_prompt
                 )
+            except MemoryError:  # the worker's --tokenize-memory: the pool answers 413
+                raise
             except Exception as exc:  # jinja errors, raise_exception() in templates
                 raise BadInput(f"the chat template failed to render these messages: {exc}") from exc
 
