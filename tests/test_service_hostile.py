@@ -25,6 +25,7 @@ import pytest
 from _server import CHAT, STORIES, TEMPLATES, ServerProcess, wait_until
 from conftest import need_fixtures, need_vllm
 from hsx.wire import decode
+from test_service_hardening import tree_rss
 
 pytestmark = pytest.mark.engine
 
@@ -34,18 +35,6 @@ HUGE = '{% set s = "x" * 3000000000 %}{{ s|length }}'
 CHAT1 = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a time."}]
 TOKENIZE_TIMEOUT = 4.0
 BODY_TIMEOUT = 3.0
-
-
-def tree_rss(pid: int) -> int:
-    procs = [psutil.Process(pid)]
-    procs += procs[0].children(recursive=True)
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
 
 
 def _args(*extra: str) -> tuple[str, ...]:

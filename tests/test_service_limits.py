@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 
 import pytest
@@ -182,7 +183,6 @@ async def test_docs_are_served_without_a_cdn(arena):  # noqa: F811
 
 
 def test_stale_notify_sockets_of_dead_servers_are_removed(tmp_path):
-    import os
     import subprocess
     import sys
 
@@ -218,3 +218,33 @@ def test_hsx_serve_without_a_model_is_refused(monkeypatch):
         parse(["--port", "9005"])
 
 
+
+
+def test_cpu_backend_gets_a_logged_kv_cache_default(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    from hsx_service.cli import cpu_kv_cache_default
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    cpu_kv_cache_default(["--gpu-memory-utilization", "0.1"])  # the user chose: left alone
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    cpu_kv_cache_default([])
+    if current_platform.is_cpu():
+        assert 1 <= int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) <= 8
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    cpu_kv_cache_default([])
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "3"
+
+
+def test_an_engine_start_failure_is_one_line_with_its_cause():
+    from hsx_service.lifecycle import start_failure
+
+    try:
+        try:
+            raise ValueError("KV cache needs 9.0 GiB, 2.1 GiB free\nmore lines")
+        except ValueError as inner:
+            raise RuntimeError("Engine core initialization failed. See root cause above.") from inner
+    except RuntimeError as exc:
+        line = start_failure(exc)
+    assert "\n" not in line and "Engine core initialization failed" in line and "9.0 GiB" in line
