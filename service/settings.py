@@ -72,7 +72,7 @@ class ServiceSettings(BaseSettings):
     tokenize_queue: int = Field(32, ge=0, description="Requests waiting for a tokenizer process beyond the busy ones (503 beyond)")
     tokenize_timeout: float = Field(30.0, gt=0, description="Seconds one request may spend templating and tokenizing (400 beyond)")
     tokenize_memory: int = Field(
-        4 * GiB, ge=256 * MiB, description="Address-space limit of each tokenizer process, bytes (a request that needs more: 413)"
+        4 * GiB, ge=256 * MiB, description="Bytes each tokenizer process may allocate beyond its loaded tokenizer (a request that needs more: 413)"
     )
     body_timeout: float = Field(30.0, gt=0, description="Seconds a client may take to send its request body (408 beyond)")
     max_receiving: int = Field(64, ge=1, description="Connections still sending their request body at once (503 beyond)")

@@ -5,8 +5,8 @@ gigabytes, and a thread cannot be stopped. So templating and tokenizing run in w
 processes that can be:
 - stopped: each task has a deadline (`--tokenize-timeout`); pebble kills the worker that
   overruns it and starts a fresh one (the request gets 400);
-- bounded: each worker's address space may grow by at most `--tokenize-memory` beyond
-  what the loaded tokenizer takes (RLIMIT_AS; the request that needs more gets 413);
+- bounded: each worker may allocate at most `--tokenize-memory` beyond what the loaded
+  tokenizer takes (RLIMIT_DATA; the request that needs more gets 413);
 - refused: at most `--tokenize-workers` + `--tokenize-queue` requests are in the pool at
   once; one more gets 503 + Retry-After at once (`hsx_rejected_total{reason="tokenize"}`).
 `input_ids` requests never come here, so they never wait behind templating. Each worker
@@ -38,9 +38,19 @@ def _init_worker(name: str, revision: str | None, trust_remote_code: bool, templ
     global _TOKENIZER
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the server; the pool stops with it
     _TOKENIZER = Tokenizer(name, revision, trust_remote_code, template)
-    with open("/proc/self/statm") as fh:  # what the loaded tokenizer takes, in pages
-        loaded = int(fh.read().split()[0]) * resource.getpagesize()
-    resource.setrlimit(resource.RLIMIT_AS, (loaded + memory, loaded + memory))
+    # RLIMIT_DATA (Linux >= 4.7: heap and private writable mappings), not RLIMIT_AS: the
+    # address space also holds reservations (malloc's per-thread arenas, libraries) that
+    # use no memory and grow with the core count.
+    loaded = _data_bytes()
+    resource.setrlimit(resource.RLIMIT_DATA, (loaded + memory, loaded + memory))
+
+
+def _data_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _encode(kind: str, args: tuple) -> Encoded:
@@ -63,6 +73,15 @@ def _ping() -> str | None:
     return _TOKENIZER.template_sha256
 
 
+def _context():
+    """forkserver: never fork the server itself (it runs vLLM's threads), and a worker
+    that replaces a killed one forks from a process that has transformers imported
+    already (seconds sooner than a fresh interpreter)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["hsx_service.tokenize_pool", "transformers.models.auto.tokenization_auto"])
+    return ctx
+
+
 class TokenizerPool:
     def __init__(self, name: str, revision: str | None, trust_remote_code: bool, template: str | None, *,
                  workers: int, queue: int, timeout: float, memory: int) -> None:
@@ -73,7 +92,7 @@ class TokenizerPool:
         self._pool = ProcessPool(
             max_workers=workers, initializer=_init_worker,
             initargs=(name, revision, trust_remote_code, template, memory),
-            context=multiprocessing.get_context("spawn"),  # never fork a process that runs vLLM
+            context=_context(),
         )
 
     async def ready(self) -> None:
