@@ -90,6 +90,7 @@ class Lifecycle:
         self.state = state
         self.exit_code = EXIT_OK
         self._server: _DrainingServer | None = None
+        self._start: asyncio.Task | None = None
 
     def run(self) -> int:
         s = self.state.settings
@@ -104,6 +105,14 @@ class Lifecycle:
         )
         self._server = _DrainingServer(config, self)
         self._server.run()
+        if self._start is not None and not self._start.done():
+            # Stopped while vLLM was still starting: its start runs in a thread nothing can
+            # cancel, which would keep the process alive; end its processes and exit now.
+            log.warning("stopped while the engine was starting")
+            _kill_children()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self.exit_code)
         return self.exit_code
 
     def fail(self, reason: str) -> None:
@@ -116,7 +125,7 @@ class Lifecycle:
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
         st = self.state
-        start = asyncio.create_task(self.start_engine(), name="hsx-engine-start")
+        start = self._start = asyncio.create_task(self.start_engine(), name="hsx-engine-start")
         watch = asyncio.create_task(self.watch_engine(), name="hsx-engine-watch")
         try:
             yield
@@ -204,6 +213,18 @@ class Lifecycle:
                 await asyncio.sleep(DRAIN_POLL)
         if self._server is not None:
             self._server.should_exit = True
+
+
+def _kill_children() -> None:
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=5)
 
 
 class _DrainingServer(uvicorn.Server):

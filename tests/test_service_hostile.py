@@ -46,11 +46,13 @@ def _args(*extra: str) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def trusting(log_dir):
-    """Request templates allowed (the case where they must be bounded)."""
+    """Request templates allowed (the case where they must be bounded). The last test
+    of the module stops it with SIGTERM (--shutdown-timeout 2)."""
     need_vllm()
     need_fixtures()
-    server = ServerProcess(*_args("--trust-request-chat-template"), log_dir=log_dir, name="trusting")
-    yield server.wait_ready()
+    server = ServerProcess(*_args("--trust-request-chat-template", "--shutdown-timeout", "2"),
+                           log_dir=log_dir, name="trusting")
+    yield server.wait_ready(timeout=1200)  # a 2-core box shared with other engines: minutes
     server.stop()
 
 
@@ -254,36 +256,37 @@ def test_docs_work_offline(trusting):
 
 # ------------------------------------------------------------------ SIGTERM drain
 
-def test_sigterm_while_tokenizing_answers_503_and_leaves_no_process(log_dir):
-    """A request still tokenizing at --shutdown-timeout gets 503 (not a bare 500 or a
-    closed connection) and the server with its tokenizer processes exits in time."""
-    need_vllm()
-    need_fixtures()
-    server = ServerProcess(*_args("--trust-request-chat-template", "--shutdown-timeout", "2",
-                                  "--tokenize-timeout", "120"), log_dir=log_dir, name="drain").wait_ready()
+def test_sigterm_while_tokenizing_answers_503_and_leaves_no_process(trusting):
+    """Last in this module. A request still tokenizing at --shutdown-timeout (2 s; its
+    template would run 4 s) gets 503, not a bare 500 or a closed connection, and the
+    server with its tokenizer processes exits in time."""
+    server = trusting
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert len(children) >= 3  # the engine core and two tokenizer processes at least
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=60) as c:
+            slow = asyncio.ensure_future(
+                c.post(server.url + "/hidden_states", json={"messages": CHAT1, "chat_template": NESTED}))
+            await asyncio.sleep(1.0)
+            t0 = time.perf_counter()
+            server.signal(signal.SIGTERM)
+            r = await slow
+            return r, t0
+
+    r, signalled = asyncio.run(scenario())
+    answered = time.perf_counter() - signalled
+    assert r.status_code == 503 and r.json()["error"]["type"] == "draining", r.text
+    assert "--shutdown-timeout" in r.json()["error"]["message"]
+    assert server.proc.wait(30) == 0
+    exited = time.perf_counter() - signalled
+    wait_until(lambda: not any(_alive(p) for p in children), 10, "no child process outlived the server")
+    print(f"\nSIGTERM while tokenizing: 503 after {answered:.1f} s, exit 0 after {exited:.1f} s "
+          "(--shutdown-timeout 2); no child left")
+
+
+def _alive(p: psutil.Process) -> bool:
     try:
-        children = psutil.Process(server.proc.pid).children(recursive=True)
-        assert len(children) >= 3  # the engine core and two tokenizer processes at least
-
-        async def scenario():
-            async with httpx.AsyncClient(timeout=60) as c:
-                slow = asyncio.ensure_future(
-                    c.post(server.url + "/hidden_states", json={"messages": CHAT1, "chat_template": NESTED}))
-                await asyncio.sleep(1.0)
-                t0 = time.perf_counter()
-                server.signal(signal.SIGTERM)
-                r = await slow
-                return r, time.perf_counter() - t0
-
-        r, answered = asyncio.run(scenario())
-        assert r.status_code == 503 and r.json()["error"]["type"] == "draining", r.text
-        assert "--shutdown-timeout" in r.json()["error"]["message"]
-        t0 = time.perf_counter()
-        assert server.proc.wait(30) == 0
-        exited = answered + time.perf_counter() - t0
-        wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in children), 10,
-                   "no child process outlived the server")
-        print(f"\nSIGTERM while tokenizing: 503 after {answered:.1f} s, exit 0 after {exited:.1f} s "
-              "(--shutdown-timeout 2)")
-    finally:
-        server.stop()
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
