@@ -46,8 +46,9 @@ def _glaive():
 
 @pytest.mark.parametrize("chats,template", [
     (_oasst, "llama3.jinja"), (_glaive, "qwen2_5.jinja"),
-    (_oasst, "llama3_training.jinja"), (_glaive, "qwen2_5_training.jinja"),  # the {% generation %} templates
-    (_oasst, "qwen3.jinja"),  # drops earlier reasoning: the fallback
+    (_oasst, "llama3_training.jinja"),  # a {% generation %} template
+    pytest.param(_glaive, "qwen2_5_training.jinja", marks=pytest.mark.slow),
+    pytest.param(_oasst, "qwen3.jinja", marks=pytest.mark.slow),  # drops earlier reasoning: the fallback
 ])
 def test_the_mask_equals_the_per_turn_method_on_the_fixtures(tok, chats, template):
     text = (TEMPLATES / template).read_text()

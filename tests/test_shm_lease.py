@@ -382,7 +382,7 @@ def test_a_killed_client_s_leases_go_at_once_and_sigterm_is_prompt(tiny_model, l
         str(tiny_model), "--dtype", "float32", "--max-model-len", "1024", "--layers", "1,2,4,6",
         "--lease-api-key", KEY, "--lease-timeout", "120", "--arena-bytes", str(16 << 20),
         log_dir=log_dir, name="lease-sessions",
-    ).wait_ready()
+    ).wait_ready(timeout=1200)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, server.url, KEY], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
