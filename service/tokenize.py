@@ -225,8 +225,8 @@ def _locate_replies(marked: str, full: str, replies: list[str]) -> list[Span] | 
     at = 0  # in marked
     for k, reply in enumerate(replies):
         mark = _placeholder(k)
-        m = marked.find(mark, at)
-        if m < 0 or marked.find(mark, m + 1) >= 0:
+        m = marked.find(mark, at)  # a placeholder rendered twice would leave one in the text
+        if m < 0:  # compared with `full` below, which holds none: no match
             return None
         between = marked[at:m]
         if full[pos:pos + len(between)] != between:
