@@ -132,13 +132,18 @@ class Lifecycle:
         finally:
             watch.cancel()
             start.cancel()
+            t0 = time.monotonic()
             if st.arena_socket is not None:
                 st.arena_socket.close()
             if st.service is not None and st.service.leases is not None:
                 st.service.leases.end_all()
+            t1 = time.monotonic()
             if st.tokenizer_pool is not None:
                 await asyncio.to_thread(st.tokenizer_pool.close)
+            t2 = time.monotonic()
             st.extractor.shutdown()
+            log.info("stopped: arena socket and leases %.1fs, tokenizer processes %.1fs, engine %.1fs",
+                     t1 - t0, t2 - t1, time.monotonic() - t2)
 
     async def start_engine(self) -> None:
         st = self.state
