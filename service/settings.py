@@ -84,6 +84,11 @@ class ServiceSettings(BaseSettings):
     )
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of compressed responses")
     log_level: str = Field("info", description="Log level (debug, info, warning, error)")
+    allow_unverified_hybrid: bool = Field(
+        False,
+        description="Serve a hybrid (Mamba / linear-attention) model on a vLLM release or backend where hsx has "
+        "not compared its states with transformers (docs/compatibility.md)",
+    )
 
     @property
     def accepted_keys(self) -> list[str]:
