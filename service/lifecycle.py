@@ -79,7 +79,7 @@ def start_failure(exc: BaseException) -> str:
             parts.append(text)
         seen = seen.__cause__ or seen.__context__
     line = "engine start failed: " + " <- ".join(parts)
-    if "VLLM_CPU_KVCACHE_SPACE" in os.environ and any(w in line.lower() for w in ("memory", "kv cache", "cache")):
+    if "VLLM_CPU_KVCACHE_SPACE" in os.environ and any(w in line.lower() for w in ("memory", "kv cache")):
         line += (f" (VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB: "
                  "set a smaller one, or --max-model-len)")
     return line
