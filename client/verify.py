@@ -33,7 +33,7 @@ def verify_samples(
 ) -> list[dict[str, Any]]:
     """Full check of stored samples: sizes, checksums, then `fmt.verify_sample`."""
     out = Path(out)
-    moved = _compaction_moves(out)
+    moved = compaction_moves(out)
 
     def one(item: tuple[int, dict[str, Any]]) -> dict[str, Any] | None:
         i, e = item
@@ -42,7 +42,7 @@ def verify_samples(
             problems.append(f"manifest key {e.get('key')!r} is not the plan's for index {i}")
         now = moved.get(i, i)
         if now != i:  # renumbered by finalize: same bytes under the new index's name
-            e = dict(e, files={_renumber(fmt, rel, i, now): m for rel, m in e.get("files", {}).items()})
+            e = dict(e, files={renumbered_path(fmt, rel, i, now): m for rel, m in e.get("files", {}).items()})
         problems += store.check_checksums(out, e)
         if not problems:
             try:
@@ -68,14 +68,14 @@ def verify_samples(
     return bad
 
 
-def _compaction_moves(out: Path) -> dict[int, int]:
+def compaction_moves(out: Path) -> dict[int, int]:
     p = Path(out) / store.COMPACTION_JOURNAL
     if not p.exists():
         return {}
     return {int(a): int(b) for a, b in json.loads(p.read_text()).get("moves", [])}
 
 
-def _renumber(fmt: Any, rel: str, old: int, new: int) -> str:
+def renumbered_path(fmt: Any, rel: str, old: int, new: int) -> str:
     """The path of a sample file after finalize moved sample `old` to `new`."""
     for attr in ("hs_path", "ckpt_path"):
         fn = getattr(fmt, attr, None)
@@ -99,7 +99,9 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
         assert plan is not None
         keys = plan["keys"]
         n = len(keys)
-        fmt = get_format(plan["settings"]["format"])
+        from .formats import format_options
+
+        fmt = get_format(plan["settings"]["format"], **format_options(plan["settings"]))
         entries, _, torn = store.read_jsonl(out / store.MANIFEST_NAME)
         done = store.latest_by_index(entries)
         problems: list[str] = []

@@ -27,8 +27,8 @@ from hsx_service.guard import GuardMiddleware
 from hsx_service.lease import SESSION_HEADER, ArenaSocket, key_may_lease
 from hsx_service.metrics import Metrics
 from hsx_service.norm import FinalNorm
-from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus
-from hsx_service.response import accepts_zstd
+from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
+from hsx_service.response import choose_coding
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 from hsx_service.tokenize_pool import TokenizerPool
@@ -181,8 +181,8 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         st = _serving(request)
         service = st.service
         lease, session = _lease_terms(st, request)
-        zstd = accepts_zstd(request.headers.get("accept-encoding"))
-        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, zstd, lease,
+        coding = choose_coding(request.headers.get("accept"), request.headers.get("accept-encoding"), service.facts.dtype)
+        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, coding, lease,
                                                  session))
         gone = asyncio.ensure_future(_client_gone(request))
         cut_off = asyncio.ensure_future(st.cut_off.wait())
@@ -203,6 +203,20 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         reply = work.result()
         return _ReleasingStream(reply.stream, reply.close, media_type=reply.headers.pop("Content-Type"),
                                 headers=reply.headers)
+
+    @app.post(
+        "/tokenize",
+        summary="Token ids and loss mask of an input, as /hidden_states would prefill them, without the engine",
+        response_model=TokenizeResponse,
+        responses={
+            **ERRORS,
+            400: {"model": ErrorResponse, "description": "bad input"},
+            413: {"model": ErrorResponse, "description": "body or token count over the limit"},
+            415: {"model": ErrorResponse, "description": "body is not application/json"},
+        },
+    )
+    async def tokenize(body: HiddenStatesRequest, request: Request):
+        return await _serving(request).service.tokenize(body, request.state.request_id)
 
     @app.delete(
         "/leases/{lease_id}",

@@ -1,10 +1,11 @@
 """The guard in front of every route, as plain ASGI middleware (streams untouched).
 
 Per request: the header count and size (431), a request id (echoed, or made), the API
-key on every path but the public ones, and for `POST /hidden_states` the content type,
-the body (read whole within --body-timeout, 408 beyond; at most --max-receiving being
-read at once) and then the admission gate's door: a client still sending holds no
-admission place. Every answer is counted in `hsx_http_responses_total{code}`. Refusals are the ServiceErrors of errors.py,
+key on every path but the public ones, and for the POST routes with a JSON body
+(`BODY_ROUTES`: /hidden_states, /tokenize) the content type, the body (read whole within
+--body-timeout, 408 beyond; at most --max-receiving being read at once) and then the
+admission gate's door: a client still sending holds no admission place. Every answer is
+counted in `hsx_http_responses_total{code}`. Refusals are the ServiceErrors of errors.py,
 rendered by errors.render like every other error answer.
 
 Public without a key: the probes (an orchestrator has no key) and the API's own
@@ -30,6 +31,7 @@ DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", *ASSET
 PUBLIC_PATHS = PROBE_PATHS + DOC_PATHS
 MAX_REQUEST_ID = 128
 RECEIVING_GRACE = 1.0  # seconds a body gets to arrive when --max-receiving slow senders hold every place
+BODY_ROUTES = ("/hidden_states", "/tokenize")  # POST, a JSON body, through the gate's door
 
 
 class GuardMiddleware:
@@ -59,7 +61,7 @@ class GuardMiddleware:
             self._check_headers(raw)
             if self.keys and scope["path"] not in PUBLIC_PATHS:
                 self._authorize(headers)
-            if scope["path"] == "/hidden_states" and scope["method"] == "POST":
+            if scope["path"] in BODY_ROUTES and scope["method"] == "POST":
                 self._check_body(headers)
                 body = await self._read_body(receive)
                 if body is None:  # the client left while sending

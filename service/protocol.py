@@ -63,6 +63,20 @@ class HiddenStatesRequest(BaseModel):
         return self
 
 
+class TokenizeResponse(BaseModel):
+    """POST /tokenize: what /hidden_states would prefill for the same body."""
+
+    token_ids: list[int]
+    loss_mask: list[int] | None = Field(None, description="0/1 per token, when known")
+    loss_mask_source: str = Field(..., description="request, chat_template or none")
+    layer_ids: list[int]
+    model: str
+    model_revision: str
+    chat_template_sha256: str
+    request_id: str
+    caller_id: str
+
+
 class ErrorDetail(BaseModel):
     type: str
     message: str

@@ -83,6 +83,12 @@ class ServiceSettings(BaseSettings):
         description="API keys that may take same-host leases (read the shared arena); with --api-key set, others get HTTP bodies",
     )
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of compressed responses")
+    compress_threads: int | None = Field(
+        None, ge=1, description="Threads compressing response bodies (default: the cores less 2, at least 1)"
+    )
+    compress_inflight: int = Field(
+        64, ge=1, description="4 MiB pieces being compressed at once, all bodies together (bounds that memory)"
+    )
     log_level: str = Field("info", description="Log level (debug, info, warning, error)")
     allow_unverified_hybrid: bool = Field(
         False,
