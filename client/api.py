@@ -354,6 +354,8 @@ class HsxClient:
             "Accept-Encoding": self._encoding_for(server.url),
             "X-Request-Id": rid,
         }
+        if arena is not None and arena.session:
+            headers[shm.SESSION_HEADER] = arena.session
         try:
             async with http.stream("POST", server.url + "/hidden_states", content=payload, headers=headers) as resp:
                 resp_rid = resp.headers.get("x-request-id") or rid
@@ -393,6 +395,7 @@ class HsxClient:
                 lease = Lease(desc["id"], server.url, memoryview(b""))
                 if desc["arena_id"] != arena.arena_id:  # restarted since we attached
                     server.arena, server.arena_note = None, None
+                    arena.close()
                     raise wire.WireFormatError("the lease names another arena (server restarted?)")
                 lease.states = arena.view(int(desc["offset"]), int(desc["nbytes"]))
             else:

@@ -4,6 +4,11 @@
 host (same kernel boot id), asks the server's abstract Unix socket for the arena's
 descriptor (sending the API key, if any) and maps it read-only. Any failure raises
 `ShmUnavailable` with the reason; the client then keeps using HTTP bodies.
+
+The socket stays open for the mapping's life: it is the client's lease session. Requests
+carry its id (`SESSION_HEADER`), and when the connection closes (the client exited,
+crashed or was killed) the server releases that session's leases at once instead of at
+their --lease-timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 from hsx.wire import boot_id
 
 _TIMEOUT = 5.0
+SESSION_HEADER = "X-Hsx-Lease-Session"
 
 
 class ShmUnavailable(Exception):
@@ -26,8 +32,11 @@ class ShmUnavailable(Exception):
 class ArenaMap:
     """A read-only mapping of one server's arena."""
 
-    def __init__(self, arena_id: str, mm: mmap.mmap):
+    def __init__(self, arena_id: str, mm: mmap.mmap, session: str | None = None,
+                 sock: socket.socket | None = None):
         self.arena_id = arena_id
+        self.session = session  # the server's id of this client's open handshake connection
+        self._sock = sock
         self._mm = mm
         self._view = memoryview(mm)
 
@@ -41,6 +50,9 @@ class ArenaMap:
         return self._view[offset : offset + nbytes]
 
     def close(self) -> None:
+        if self._sock is not None:  # ends the lease session: the server releases what is left
+            self._sock.close()
+            self._sock = None
         try:
             self._view.release()
             self._mm.close()
@@ -69,10 +81,10 @@ def attach(offer: dict[str, Any] | None, api_key: str | None) -> ArenaMap:
         sock.sendall((api_key or "").encode() + b"\n")
         msg, fds, _flags, _addr = socket.recv_fds(sock, 4096, 1)
     except OSError as exc:
-        raise ShmUnavailable(f"handshake with {address} failed: {exc}") from exc
-    finally:
         sock.close()
+        raise ShmUnavailable(f"handshake with {address} failed: {exc}") from exc
     if not fds:
+        sock.close()
         try:
             reason = json.loads(msg).get("error", msg.decode(errors="replace"))
         except ValueError:
@@ -88,7 +100,16 @@ def attach(offer: dict[str, Any] | None, api_key: str | None) -> ArenaMap:
             raise ShmUnavailable("the arena descriptor is smaller than announced")
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     except (ValueError, KeyError, OSError) as exc:
+        sock.close()
         raise ShmUnavailable(f"bad handshake: {exc}") from exc
+    except ShmUnavailable:
+        sock.close()
+        raise
     finally:
         os.close(fd)
-    return ArenaMap(hello["arena_id"], mm)
+    session = hello.get("session")
+    if session is None:  # a server without lease sessions: nothing to keep open
+        sock.close()
+        return ArenaMap(hello["arena_id"], mm)
+    sock.settimeout(None)
+    return ArenaMap(hello["arena_id"], mm, str(session), sock)

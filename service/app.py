@@ -19,17 +19,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hsx import __version__ as hsx_version
 from hsx.wire import LEASE_MEDIA_TYPE, MEDIA_TYPE, TensorSpec, encode_header
-from hsx_service.admission import AdmissionGate
+from hsx_service.admission import DRAIN_RETRY_AFTER, AdmissionGate
+from hsx_service.docs import attach_offline_docs, offline_docs_app_kwargs
 from hsx_service.engine import Extractor
-from hsx_service.errors import LeaseGone, NotAvailable, NotReady, install_error_handlers
+from hsx_service.errors import Draining, LeaseGone, NotAvailable, NotReady, install_error_handlers
 from hsx_service.guard import GuardMiddleware
-from hsx_service.lease import ArenaSocket
+from hsx_service.lease import SESSION_HEADER, ArenaSocket, key_may_lease
 from hsx_service.metrics import Metrics
 from hsx_service.norm import FinalNorm
 from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
 from hsx_service.response import choose_coding
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
+from hsx_service.tokenize_pool import TokenizerPool
 
 log = logging.getLogger("hsx.app")
 
@@ -55,6 +57,10 @@ class ServerState:
     final_norm_error: str | None = None
     startup_error: str | None = None
     arena_socket: ArenaSocket | None = None  # when same-host leases are on
+    tokenizer_pool: TokenizerPool | None = None  # once the engine has started
+    # Set when the drain's --shutdown-timeout is over: requests still being prepared or
+    # prefilled are answered 503 (never a closed connection or a bare 500).
+    cut_off: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self.gate = AdmissionGate(self.settings.max_inflight, self.settings.max_queued_tokens, self.metrics)
@@ -73,7 +79,9 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         version=hsx_version,
         description="Hidden states of a vLLM-served model for every token of a prompt or chat, for EAGLE-3 training.",
         lifespan=lifespan,
+        **offline_docs_app_kwargs(),
     )
+    attach_offline_docs(app)
     app.state.hsx = st
     install_error_handlers(app, st.metrics)
     app.add_middleware(GuardMiddleware, settings=st.settings, gate=st.gate, metrics=st.metrics)
@@ -125,7 +133,7 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
             "chat_template_sha256": s.service.tokenizer.template_sha256,
             "vllm_version": f.vllm_version,
             "hsx_version": hsx_version,
-            "shm_lease": None if s.arena_socket is None else {
+            "shm_lease": None if s.arena_socket is None or not _may_lease(s, request) else {
                 "socket": s.arena_socket.address,
                 "arena_id": s.extractor.arena.arena_id,
                 "boot_id": s.arena_socket.boot_id,
@@ -170,18 +178,26 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         },
     )
     async def hidden_states(body: HiddenStatesRequest, request: Request):
-        service = _serving(request).service
-        lease = service.leases is not None and LEASE_MEDIA_TYPE in request.headers.get("accept", "")
+        st = _serving(request)
+        service = st.service
+        lease, session = _lease_terms(st, request)
         coding = choose_coding(request.headers.get("accept"), request.headers.get("accept-encoding"), service.facts.dtype)
-        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, coding, lease))
+        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, coding, lease,
+                                                 session))
         gone = asyncio.ensure_future(_client_gone(request))
+        cut_off = asyncio.ensure_future(st.cut_off.wait())
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, gone, cut_off}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
+            cut_off.cancel()
         if not work.done():
-            # The caller left: cancelling aborts the engine request and frees its memory.
+            # Cancelling aborts the engine request (or stops its tokenizer process) and frees its memory.
             work.cancel()
+            if st.cut_off.is_set():
+                service.metrics.requests.labels("cut_off").inc()
+                raise Draining("the server shut down before this request finished (--shutdown-timeout); "
+                               "send it to another server", retry_after=DRAIN_RETRY_AFTER, reason="cut_off")
             service.metrics.requests.labels("disconnected").inc()
             return Response(status_code=499)
         reply = work.result()
@@ -246,6 +262,31 @@ async def _client_gone(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _key(request: Request) -> str | None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _lease_terms(st: ServerState, request: Request) -> tuple[bool, str | None]:
+    """Whether this request gets a lease, and the lease session it belongs to. Only keys
+    marked for leases get one; a session the arena socket does not know (closed, or
+    made up) gets an HTTP body, so no lease outlives its client's connection."""
+    if st.service.leases is None or LEASE_MEDIA_TYPE not in request.headers.get("accept", ""):
+        return False, None
+    if not _may_lease(st, request):
+        return False, None
+    session = request.headers.get(SESSION_HEADER)
+    if session is not None and (st.arena_socket is None or session not in st.arena_socket.sessions):
+        return False, None
+    return True, session
+
+
+def _may_lease(st: ServerState, request: Request) -> bool:
+    s = st.settings
+    return key_may_lease((_key(request) or "").encode(), [k.encode() for k in s.accepted_keys],
+                         [k.encode() for k in s.lease_api_key])
 
 
 def _serving(request: Request) -> ServerState:

@@ -27,7 +27,9 @@ def _vllm_parser():
     parser = flexible_parser()(
         prog="hsx serve",
         description="Serve a model's hidden states over HTTP (POST /hidden_states). "
-        "Takes vLLM's engine flags unchanged plus the hsx flags below (each also an HSX_* variable).",
+        "Takes vLLM's engine flags unchanged plus hsx's own (each also an HSX_* variable): "
+        "`--help=hsx` lists hsx's flags with descriptions, `--help=all` every flag, "
+        "`--help=ModelConfig` (or any group below) one of vLLM's groups, `--help=WORD` the flags matching WORD.",
     )
     parser.add_argument("model_tag", nargs="?", default=None, help="model path or hub id (or HSX_MODEL)")
     parser = AsyncEngineArgs.add_cli_args(parser)
@@ -69,8 +71,9 @@ def parse(argv: list[str]):
         if given and not hasattr(args, f"hsx_{name}"):
             overrides[name] = getattr(args, name)
     model = args.model_tag or os.environ.get("HSX_MODEL")
-    if model:
-        args.model = model
+    if not model:  # vLLM would quietly serve (and download) its own default model
+        raise StartupError("give the model to serve: hsx serve MODEL (a path or hub id), or set HSX_MODEL")
+    args.model = model
     settings = ServiceSettings(model=args.model, **overrides)
     engine_args = engine_args_cls.from_cli_args(args)
     return settings, engine_args
@@ -88,7 +91,36 @@ def main(argv: list[str] | None = None) -> int:
     )
     from hsx_service.lifecycle import serve
 
+    cpu_kv_cache_default(argv + shlex.split(os.environ.get("HSX_ENGINE_ARGS", "")))
     return serve(settings, engine_args)
+
+
+KV_CACHE_FRACTION = 0.25  # of the memory free at start, for vLLM CPU's KV cache when nothing says
+KV_CACHE_MAX_GIB = 8
+
+
+def cpu_kv_cache_default(argv: list[str]) -> None:
+    """vLLM's CPU backend sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); unset, it
+    may take more than the host has and the start fails far above the last log line.
+    Unset and no --gpu-memory-utilization given: a quarter of the free memory (1..8 GiB),
+    logged."""
+    if "VLLM_CPU_KVCACHE_SPACE" in os.environ or any(a.startswith("--gpu-memory-utilization") for a in argv):
+        return
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        import psutil
+
+        free_gib = psutil.virtual_memory().available / (1 << 30)
+    except Exception:  # no vLLM platform information: leave it to vLLM
+        return
+    gib = int(min(KV_CACHE_MAX_GIB, max(1, free_gib * KV_CACHE_FRACTION)))
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
+    logging.getLogger("hsx").info(
+        "CPU backend: VLLM_CPU_KVCACHE_SPACE=%d (GiB of KV cache, a quarter of the %.1f GiB free); "
+        "set it to choose", gib, free_gib)
 
 
 if __name__ == "__main__":

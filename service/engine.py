@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import tempfile
+from pathlib import Path
 import time
 import uuid
 from dataclasses import dataclass
@@ -214,6 +215,7 @@ class Notices:
 
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.PULL)
+        remove_stale_notify_sockets(tempfile.gettempdir())
         self.address = f"ipc://{tempfile.gettempdir()}/hsx-notify-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
         self._sock.bind(self.address)
         self._waiters: dict[str, asyncio.Future] = {}
@@ -249,6 +251,24 @@ class Notices:
         path = self.address.removeprefix("ipc://")
         if os.path.exists(path):
             os.unlink(path)
+
+
+def remove_stale_notify_sockets(directory: str) -> list[str]:
+    """The notice sockets of hsx servers that died without closing theirs (SIGKILL):
+    their names hold the server's pid; this user's whose pid is gone are removed."""
+    removed = []
+    for path in Path(directory).glob("hsx-notify-*-*.sock"):
+        try:
+            pid = int(path.name.split("-")[2])
+            if path.stat().st_uid != os.getuid() or pid == os.getpid():
+                continue
+            os.kill(pid, 0)  # alive (or another user's): keep it
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+        except (ValueError, OSError):
+            continue
+    return removed
 
 
 class Extractor:

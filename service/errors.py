@@ -23,8 +23,8 @@ class StartupError(RuntimeError):
 
 
 class ServiceError(Exception):
-    """An answer the service gives on purpose. `reason` labels a 503 in
-    `hsx_rejected_total` (every 503 sent is counted there, see `render`)."""
+    """An answer the service gives on purpose. `reason` labels a refusal (503, 408, 413,
+    431) in `hsx_rejected_total` (every one sent is counted there, see `render`)."""
 
     status = 500
     type = "internal_error"
@@ -43,6 +43,14 @@ class BadInput(ServiceError):
 
 class TooLarge(ServiceError):
     status, type = 413, "too_large"
+
+
+class BodyTimeout(ServiceError):
+    status, type = 408, "body_timeout"
+
+
+class HeadersTooLarge(ServiceError):
+    status, type = 431, "headers_too_large"
 
 
 class Unauthorized(ServiceError):
@@ -82,6 +90,9 @@ class NotAvailable(ServiceError):
     status, type = 501, "not_available"
 
 
+REFUSALS = (408, 413, 431, 503)  # answers that turn a request away for its size, pace or the load
+
+
 def _json_error(status: int, type_: str, message: str, request_id: str | None, headers: dict[str, str]) -> JSONResponse:
     if request_id:
         headers = {**headers, "X-Request-Id": request_id}
@@ -98,7 +109,7 @@ def render(exc: ServiceError, request_id: str | None, metrics: Metrics | None) -
         retry = 1.0
     if retry is not None:
         headers["Retry-After"] = str(max(1, int(round(retry))))
-    if exc.status == 503 and metrics is not None:
+    if exc.status in REFUSALS and metrics is not None:
         metrics.rejected.labels(exc.reason).inc()
     if exc.status >= 500:
         log.warning("%s: %s", exc.type, exc.message)

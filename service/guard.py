@@ -1,8 +1,11 @@
 """The guard in front of every route, as plain ASGI middleware (streams untouched).
 
-Per request: a request id (echoed, or made), the API key on every path but the public
-ones, and for the POST routes with a JSON body (`BODY_ROUTES`: /hidden_states, /tokenize)
-the content type, the body size and the admission gate's door (before the body is read). Refusals are the ServiceErrors of errors.py,
+Per request: the header count and size (431), a request id (echoed, or made), the API
+key on every path but the public ones, and for the POST routes with a JSON body
+(`BODY_ROUTES`: /hidden_states, /tokenize) the content type, the body (read whole within
+--body-timeout, 408 beyond; at most --max-receiving being read at once) and then the
+admission gate's door: a client still sending holds no admission place. Every answer is
+counted in `hsx_http_responses_total{code}`. Refusals are the ServiceErrors of errors.py,
 rendered by errors.render like every other error answer.
 
 Public without a key: the probes (an orchestrator has no key) and the API's own
@@ -12,54 +15,74 @@ else, a route added later included, needs the key.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hsx_service.admission import AdmissionGate
 from hsx_service.auth import key_matches
-from hsx_service.errors import ServiceError, TooLarge, Unauthorized, UnsupportedMedia, render
+from hsx_service.docs import ASSET_PATHS
+from hsx_service.errors import (BodyTimeout, HeadersTooLarge, Overloaded, ServiceError, TooLarge, Unauthorized,
+                               UnsupportedMedia, render)
 from hsx_service.metrics import Metrics
 from hsx_service.settings import ServiceSettings
 
 PROBE_PATHS = ("/health", "/ready", "/metrics")
-DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", *ASSET_PATHS)
 PUBLIC_PATHS = PROBE_PATHS + DOC_PATHS
 MAX_REQUEST_ID = 128
+RECEIVING_GRACE = 1.0  # seconds a body gets to arrive when --max-receiving slow senders hold every place
 BODY_ROUTES = ("/hidden_states", "/tokenize")  # POST, a JSON body, through the gate's door
 
 
 class GuardMiddleware:
     def __init__(self, app, settings: ServiceSettings, gate: AdmissionGate, metrics: Metrics):
         self.app = app
-        self.keys = [k.encode() for k in settings.api_key]
+        self.keys = [k.encode() for k in settings.accepted_keys]
         self.max_body = settings.max_body_bytes
+        self.body_timeout = settings.body_timeout
+        self.max_receiving = settings.max_receiving
+        self.max_header_bytes = settings.max_header_bytes
+        self.max_headers = settings.max_headers
         self.gate = gate
         self.metrics = metrics
+        self.receiving = 0  # requests whose body is still arriving (not yet at the gate)
+        metrics.receiving.set_function(lambda: self.receiving)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        raw = scope["headers"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
         rid = (headers.get("x-request-id") or uuid.uuid4().hex)[:MAX_REQUEST_ID]
         scope.setdefault("state", {})["request_id"] = rid
+        send = _counted(_with_request_id(send, rid), self.metrics)
         ticket = None
         try:
+            self._check_headers(raw)
             if self.keys and scope["path"] not in PUBLIC_PATHS:
                 self._authorize(headers)
             if scope["path"] in BODY_ROUTES and scope["method"] == "POST":
                 self._check_body(headers)
-                ticket = self.gate.enter()
+                body = await self._read_body(receive)
+                if body is None:  # the client left while sending
+                    return
+                ticket = self.gate.enter()  # only requests whose body has arrived take a place
+                receive = _replay(body, receive)
         except ServiceError as exc:
             return await render(exc, rid, self.metrics)(scope, receive, send)
-        send = _with_request_id(send, rid)
         if ticket is None:
             return await self.app(scope, receive, send)
         scope["state"]["ticket"] = ticket
         try:
-            await self.app(scope, self._limited(receive), send)
+            await self.app(scope, receive, send)
         finally:
             ticket.release()
+
+    def _check_headers(self, raw) -> None:
+        size = sum(len(k) + len(v) + 4 for k, v in raw)
+        if len(raw) > self.max_headers or size > self.max_header_bytes:
+            raise HeadersTooLarge(f"{len(raw)} headers of {size} bytes; this server takes at most "
+                                  f"{self.max_headers} headers of {self.max_header_bytes} bytes")
 
     def _authorize(self, headers: dict[str, str]) -> None:
         scheme, _, token = headers.get("authorization", "").partition(" ")
@@ -74,22 +97,67 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise TooLarge(f"request body of {length} bytes exceeds the limit of {self.max_body} bytes")
 
-    def _limited(self, receive):
-        """The size limit again while reading, for bodies without a Content-Length."""
+    async def _read_body(self, receive) -> bytes | None:
+        """The whole body within --body-timeout, at most --max-receiving at once: a slow
+        or silent sender holds a receiving place for a bounded time and never an
+        admission place. None when the client disconnected."""
+        chunks: list[bytes] = []
+        if self.receiving >= self.max_receiving:
+            # Full of slow senders: a body that is already here (or nearly) still gets in,
+            # so they cannot lock out clients whose bodies have arrived.
+            try:
+                return await asyncio.wait_for(self._read_chunks(receive, chunks), RECEIVING_GRACE)
+            except asyncio.TimeoutError:
+                raise Overloaded(f"{self.receiving} requests are still sending their bodies (limit "
+                                 f"{self.max_receiving}) and this one's did not arrive within "
+                                 f"{RECEIVING_GRACE:g}s; retry shortly", reason="receiving") from None
+        self.receiving += 1
+        try:
+            return await asyncio.wait_for(self._read_chunks(receive, chunks), self.body_timeout)
+        except asyncio.TimeoutError:
+            got = sum(map(len, chunks))
+            raise BodyTimeout(f"the request body did not arrive within {self.body_timeout:g}s (got {got} bytes); "
+                              "the server's --body-timeout") from None
+        finally:
+            self.receiving -= 1
+
+    async def _read_chunks(self, receive, chunks: list[bytes]) -> bytes | None:
         seen = 0
-        limit = self.max_body
-
-        async def wrapped():
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    # An HTTPException, since FastAPI turns other errors while reading the body into 400.
-                    raise StarletteHTTPException(413, f"request body exceeds the limit of {limit} bytes")
-            return message
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_body:  # bodies without a Content-Length
+                raise TooLarge(f"request body exceeds the limit of {self.max_body} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
-        return wrapped
+
+def _replay(body: bytes, receive):
+    """The app's receive: the body read by the guard, then the connection's own
+    messages (so a disconnect is still seen)."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+def _counted(send, metrics: Metrics):
+    async def counting_send(message):
+        if message["type"] == "http.response.start":
+            metrics.responses.labels(str(message["status"])).inc()
+        await send(message)
+
+    return counting_send
 
 
 def _with_request_id(send, rid: str):

@@ -18,8 +18,21 @@ The mapping is handed over once per client process on a Unix socket in the abstr
 namespace (no file to clean up after a crash; reachable from the same network namespace:
 the host, or the pod's containers). The client sends one line, its API key (empty when
 the server has none); the server checks it, or, without keys, that the peer runs as the
-same user or root, and answers with the arena's id and a read-only descriptor of the arena
-(SCM_RIGHTS). A client that cannot connect (another host or namespace) gets HTTP bodies.
+same user or root, and answers with the arena's id, a session id and a read-only
+descriptor of the arena (SCM_RIGHTS). A client that cannot connect (another host or
+namespace) gets HTTP bodies.
+
+Sessions: the client keeps that connection open while it runs and sends the session id
+with its requests; leases granted to them belong to the session, and when the
+connection closes (the client exited or was killed) the socket's thread tells the event
+loop, which releases them at once (outcome `client_gone`), so a dead client holds no
+arena memory and does not delay a drain.
+
+Who may lease (the threat model, docs/security.md): the descriptor maps the whole arena,
+so a holder can read every client's states in it, not only its own. Without API keys only
+the server's user (or root) gets it. With --api-key, only the keys also given in
+--lease-api-key get it (and /info's offer); every other key gets HTTP bodies, so teams
+sharing a server with their own keys cannot read each other's states.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import json
 import logging
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -42,6 +56,7 @@ from hsx_service.auth import key_matches
 log = logging.getLogger("hsx.lease")
 
 _HANDSHAKE_TIMEOUT = 5.0
+SESSION_HEADER = "X-Hsx-Lease-Session"  # the client's copy: hsx_client.shm
 _MAX_LINE = 4096
 
 
@@ -49,6 +64,7 @@ _MAX_LINE = 4096
 class _Lease:
     reservation: Reservation  # the leased range; freed when the lease ends
     timer: asyncio.TimerHandle
+    session: str | None  # the client's arena-socket connection, if it sent one
 
 
 class Leases:
@@ -63,11 +79,20 @@ class Leases:
     def __len__(self) -> int:
         return len(self._live)
 
-    def grant(self, reservation: Reservation) -> str:
+    def grant(self, reservation: Reservation, session: str | None = None) -> str:
         lease_id = secrets.token_hex(16)
         timer = asyncio.get_running_loop().call_later(self.timeout, self.release, lease_id, "expired")
-        self._live[lease_id] = _Lease(reservation, timer)
+        self._live[lease_id] = _Lease(reservation, timer, session)
         return lease_id
+
+    def end_session(self, session: str) -> int:
+        """The client of `session` is gone: release its leases now. Returns how many."""
+        gone = [lid for lid, lease in self._live.items() if lease.session == session]
+        for lease_id in gone:
+            self.release(lease_id, "client_gone")
+        if gone:
+            log.info("lease session %s closed: %d leases released", session[:8], len(gone))
+        return len(gone)
 
     def release(self, lease_id: str, outcome: str = "released") -> bool:
         """End a lease; True when it was live (for a client's release: its read was valid).
@@ -89,18 +114,32 @@ class Leases:
             self.release(lease_id, "expired")
 
 
-class ArenaSocket:
-    """Hands the arena's read-only descriptor to authorised same-host clients."""
+def key_may_lease(key: bytes, keys: list[bytes], lease_keys: list[bytes]) -> bool:
+    """With API keys, only those marked for leases (--lease-api-key) may take one."""
+    return not keys or (bool(lease_keys) and key_matches(key, lease_keys))
 
-    def __init__(self, arena_fd: int, arena_id: str, arena_size: int, api_keys: list[str]):
+
+class ArenaSocket:
+    """Hands the arena's read-only descriptor to authorised same-host clients and keeps
+    each one's connection as its lease session (see the module docstring)."""
+
+    def __init__(self, arena_fd: int, arena_id: str, arena_size: int, api_keys: list[str],
+                 lease_keys: list[str] | None = None,
+                 on_session_end: Callable[[str], None] | None = None):
         self.name = f"hsx-lease-{arena_id}"
         self.boot_id = boot_id()  # of this host, for /info's offer
         self._fd = arena_fd
-        self._hello = json.dumps({"arena_id": arena_id, "size": arena_size}).encode()
+        self._arena_id = arena_id
+        self._size = arena_size
         self._keys = [k.encode() for k in api_keys]
+        self._lease_keys = [k.encode() for k in (lease_keys or [])]
+        self._on_session_end = on_session_end  # called in the event loop's thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.sessions: set[str] = set()  # live ones; read by the event loop
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind("\0" + self.name)  # abstract: no file on disk
         self._sock.listen(64)
+        self._selector = selectors.DefaultSelector()
         self._thread = threading.Thread(target=self._serve, name="hsx-arena-socket", daemon=True)
         self._closed = False
 
@@ -109,6 +148,10 @@ class ArenaSocket:
         return "@" + self.name  # the usual notation of an abstract address
 
     def start(self) -> "ArenaSocket":
+        try:  # the loop to tell of closed sessions (none: a test without one)
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self._thread.start()
         return self
 
@@ -119,34 +162,76 @@ class ArenaSocket:
         except OSError:
             pass
         self._sock.close()
+        self._thread.join(timeout=2)
 
     def _serve(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    self._handshake(conn)
-                except OSError as exc:
-                    log.info("arena handshake failed: %s", exc)
+        self._sock.setblocking(False)
+        self._selector.register(self._sock, selectors.EVENT_READ, None)
+        try:
+            while not self._closed:
+                for key, _ in self._selector.select(timeout=0.5):
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._maybe_closed(key.fileobj, key.data)
+        finally:
+            for key in list(self._selector.get_map().values()):
+                if key.data is not None:
+                    key.fileobj.close()
+            self._selector.close()
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:
+            return
+        try:
+            session = self._handshake(conn)
+        except OSError as exc:
+            log.info("arena handshake failed: %s", exc)
+            session = None
+        if session is None:
+            conn.close()
+            return
+        conn.setblocking(False)
+        self.sessions.add(session)
+        self._selector.register(conn, selectors.EVENT_READ, session)
+
+    def _maybe_closed(self, conn: socket.socket, session: str) -> None:
+        try:
+            data = conn.recv(_MAX_LINE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:  # a client says nothing after its hello: ignore it
+            return
+        self._selector.unregister(conn)
+        conn.close()
+        self.sessions.discard(session)
+        if self._on_session_end is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._on_session_end, session)
 
     def _allowed(self, conn: socket.socket, key: bytes) -> bool:
         if self._keys:
-            return key_matches(key, self._keys)
+            return key_may_lease(key, self._keys, self._lease_keys)
         _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         return uid in (os.getuid(), 0)
 
-    def _handshake(self, conn: socket.socket) -> None:
+    def _handshake(self, conn: socket.socket) -> str | None:
         conn.settimeout(_HANDSHAKE_TIMEOUT)
         line = b""
         while not line.endswith(b"\n") and len(line) < _MAX_LINE:
             chunk = conn.recv(_MAX_LINE)
             if not chunk:
-                return
+                return None
             line += chunk
         if not self._allowed(conn, line.strip()):
-            conn.sendall(json.dumps({"error": "not allowed: wrong API key or another user"}).encode())
-            return
-        socket.send_fds(conn, [self._hello], [self._fd])
+            reason = ("not allowed: this API key may not take leases (the server's --lease-api-key)" if self._keys
+                      else "not allowed: another user")
+            conn.sendall(json.dumps({"error": reason}).encode())
+            return None
+        session = secrets.token_hex(16)
+        hello = json.dumps({"arena_id": self._arena_id, "size": self._size, "session": session}).encode()
+        socket.send_fds(conn, [hello], [self._fd])
+        return session

@@ -10,8 +10,10 @@
          flight and stops the server with exit 1 (so the orchestrator restarts it), as a
          failed start does;
       4. SIGTERM / SIGINT: the drain. /ready and new requests answer 503 at once; requests
-         in flight and live leases get up to --shutdown-timeout; then the server stops and
-         exits 0. A second SIGINT stops at once.
+         in flight (tokenizing, queued or prefilling) and live leases get up to
+         --shutdown-timeout; what is still being prepared then is answered 503 (cut_off);
+         then the server stops and exits 0, the tokenizer processes and the engine with
+         it, within --shutdown-timeout + a few seconds. A second SIGINT stops at once.
       5. the lifespan's end: the arena socket closes, live leases end, vLLM shuts down and
          the arena goes.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -39,13 +42,14 @@ from hsx_service.lease import ArenaSocket
 from hsx_service.norm import load_final_norm
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
-from hsx_service.tokenize import Tokenizer
+from hsx_service.tokenize_pool import TokenizerPool
 
 log = logging.getLogger("hsx")
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 WATCH_INTERVAL = 0.5
 DRAIN_POLL = 0.05
+CUT_OFF_GRACE = 2.0  # after --shutdown-timeout: seconds for the cut-off requests' 503s and open bodies
 
 
 def serve(settings: ServiceSettings, engine_args: Any) -> int:
@@ -57,7 +61,28 @@ def serve(settings: ServiceSettings, engine_args: Any) -> int:
         extractor.shutdown()
         print(f"hsx serve: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    return Lifecycle(ServerState(settings=settings, extractor=extractor)).run()
+    state = ServerState(settings=settings, extractor=extractor)
+    code = Lifecycle(state).run()
+    if state.startup_error:  # the cause as the last line, not a hundred lines above
+        print(f"hsx serve: error: {state.startup_error}", file=sys.stderr)
+    return code
+
+
+def start_failure(exc: BaseException) -> str:
+    """One line: every distinct message down the exception chain, and where vLLM CPU
+    failed for memory, what to set."""
+    parts: list[str] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(parts) < 4:
+        text = f"{type(seen).__name__}: {seen}".splitlines()[0] if str(seen) else type(seen).__name__
+        if text not in parts:
+            parts.append(text)
+        seen = seen.__cause__ or seen.__context__
+    line = "engine start failed: " + " <- ".join(parts)
+    if "VLLM_CPU_KVCACHE_SPACE" in os.environ and any(w in line.lower() for w in ("memory", "kv cache")):
+        line += (f" (VLLM_CPU_KVCACHE_SPACE={os.environ['VLLM_CPU_KVCACHE_SPACE']} GiB: "
+                 "set a smaller one, or --max-model-len)")
+    return line
 
 
 class Lifecycle:
@@ -65,6 +90,7 @@ class Lifecycle:
         self.state = state
         self.exit_code = EXIT_OK
         self._server: _DrainingServer | None = None
+        self._start: asyncio.Task | None = None
 
     def run(self) -> int:
         s = self.state.settings
@@ -73,11 +99,20 @@ class Lifecycle:
             host=s.host,
             port=s.port,
             log_level=s.log_level.lower(),
-            timeout_graceful_shutdown=max(1, int(s.shutdown_timeout)),
+            # The drain has already waited --shutdown-timeout: uvicorn then only closes what is left.
+            timeout_graceful_shutdown=int(CUT_OFF_GRACE) + 1,
             timeout_keep_alive=30,
         )
         self._server = _DrainingServer(config, self)
         self._server.run()
+        if self._start is not None and not self._start.done():
+            # Stopped while vLLM was still starting: its start runs in a thread nothing can
+            # cancel, which would keep the process alive; end its processes and exit now.
+            log.warning("stopped while the engine was starting")
+            _kill_children()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self.exit_code)
         return self.exit_code
 
     def fail(self, reason: str) -> None:
@@ -90,18 +125,25 @@ class Lifecycle:
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
         st = self.state
-        start = asyncio.create_task(self.start_engine(), name="hsx-engine-start")
+        start = self._start = asyncio.create_task(self.start_engine(), name="hsx-engine-start")
         watch = asyncio.create_task(self.watch_engine(), name="hsx-engine-watch")
         try:
             yield
         finally:
             watch.cancel()
             start.cancel()
+            t0 = time.monotonic()
             if st.arena_socket is not None:
                 st.arena_socket.close()
             if st.service is not None and st.service.leases is not None:
                 st.service.leases.end_all()
+            t1 = time.monotonic()
+            if st.tokenizer_pool is not None:
+                await asyncio.to_thread(st.tokenizer_pool.close)
+            t2 = time.monotonic()
             st.extractor.shutdown()
+            log.info("stopped: arena socket and leases %.1fs, tokenizer processes %.1fs, engine %.1fs",
+                     t1 - t0, t2 - t1, time.monotonic() - t2)
 
     async def start_engine(self) -> None:
         st = self.state
@@ -113,8 +155,12 @@ class Lifecycle:
             if st.settings.chat_template:
                 with open(st.settings.chat_template) as fh:
                     template = fh.read()
-            tokenizer = await asyncio.to_thread(Tokenizer, f.tokenizer, f.tokenizer_revision, f.trust_remote_code,
-                                                template)
+            tokenizer = st.tokenizer_pool = TokenizerPool(
+                f.tokenizer, f.tokenizer_revision, f.trust_remote_code, template,
+                workers=st.settings.tokenize_workers, queue=st.settings.tokenize_queue,
+                timeout=st.settings.tokenize_timeout, memory=st.settings.tokenize_memory,
+            )
+            await tokenizer.ready()
             try:
                 st.final_norm = await asyncio.to_thread(load_final_norm, f.model, f.revision, st.extractor.text_config)
             except Exception as exc:  # served anyway; /final_norm explains
@@ -125,7 +171,12 @@ class Lifecycle:
             if service.leases is not None:
                 arena = st.extractor.arena
                 try:
-                    st.arena_socket = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, st.settings.api_key).start()
+                    st.arena_socket = ArenaSocket(
+                        arena.ro_fd, arena.arena_id, arena.size, st.settings.accepted_keys,
+                        lease_keys=st.settings.lease_api_key, on_session_end=service.leases.end_session,
+                    ).start()
+                    if st.settings.api_key and not st.settings.lease_api_key:
+                        log.info("same-host leases: no key is marked for them (--lease-api-key); HTTP bodies only")
                 except OSError as exc:  # e.g. no abstract sockets here: serve HTTP bodies only
                     log.warning("same-host leases off: cannot open the arena socket: %s", exc)
                     service.leases = None
@@ -135,7 +186,7 @@ class Lifecycle:
             raise
         except Exception as exc:
             log.exception("engine start failed")
-            st.startup_error = f"engine start failed: {exc}"
+            st.startup_error = start_failure(exc)
             self.fail(st.startup_error)
 
     async def watch_engine(self) -> None:
@@ -161,9 +212,25 @@ class Lifecycle:
         while busy() > 0 and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL)
         if busy():
-            log.warning("drain timeout: %d requests or leases cut off", busy())
+            log.warning("drain timeout: %d requests or leases cut off (answered 503)", busy())
+            st.cut_off.set()
+            grace = time.monotonic() + CUT_OFF_GRACE  # for the 503s to be sent
+            while st.gate.in_flight > 0 and time.monotonic() < grace:
+                await asyncio.sleep(DRAIN_POLL)
         if self._server is not None:
             self._server.should_exit = True
+
+
+def _kill_children() -> None:
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(children, timeout=5)
 
 
 class _DrainingServer(uvicorn.Server):

@@ -9,7 +9,13 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("hsx_requests", "Finished /hidden_states requests", ["status"], registry=r)
-        self.rejected = Counter("hsx_rejected", "Requests refused at admission", ["reason"], registry=r)
+        self.rejected = Counter(
+            "hsx_rejected", "Requests refused (503 full/draining, 408 slow body, 413 too large, 431 headers)",
+            ["reason"], registry=r,
+        )
+        self.responses = Counter("hsx_http_responses", "HTTP answers on every route, by status code", ["code"],
+                                 registry=r)
+        self.receiving = Gauge("hsx_receiving_requests", "Requests whose body is still arriving", registry=r)
         self.tokens = Counter("hsx_tokens", "Prompt tokens whose states were returned", registry=r)
         self.raw_bytes = Counter("hsx_hidden_state_bytes", "Response bytes before compression", registry=r)
         self.wire_bytes = Counter("hsx_response_bytes", "Response bytes sent (after compression)", registry=r)
@@ -25,7 +31,7 @@ class Metrics:
         )
         self.arena_used = Gauge("hsx_arena_used_bytes", "Shared-memory arena bytes held by requests", registry=r)
         self.leases = Counter(
-            "hsx_leases", "Same-host leases: granted, released, expired, unsent", ["outcome"], registry=r
+            "hsx_leases", "Same-host leases: granted, released, expired, unsent, client_gone", ["outcome"], registry=r
         )
         self.leases_live = Gauge("hsx_leases_live", "Same-host leases not yet released", registry=r)
         self.latency = Histogram(

@@ -8,7 +8,6 @@ over after a failure or it was handed over to a same-host lease.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -23,7 +22,7 @@ from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, MEDIA_TYPE, TensorSpec, encode_he
 from hsx_service.admission import AdmissionGate, Ticket
 from hsx_service.arena import Reservation
 from hsx_service.engine import Extractor
-from hsx_service.errors import BadInput, ServiceError, TooLarge
+from hsx_service.errors import BadInput, TooLarge
 from hsx_service.lease import Leases
 from hsx_service.metrics import Metrics
 from hsx_service.protocol import HiddenStatesRequest
@@ -31,9 +30,13 @@ from hsx import bf16split
 from hsx_service.compress import CompressPool, default_threads, stream_bf16split
 from hsx_service.response import Body, Stats, stream_identity, stream_zstd
 from hsx_service.settings import ServiceSettings
-from hsx_service.tokenize import Encoded, Tokenizer
+from hsx_service.tokenize import Encoded
+from hsx_service.tokenize_pool import TokenizerPool
 
 log = logging.getLogger("hsx.serving")
+
+TEXT_BYTES_PER_TOKEN = 64
+MIN_TEXT_BYTES = 4 << 20
 
 
 @dataclass
@@ -54,7 +57,7 @@ class Reply:
 
 
 class HiddenStatesService:
-    def __init__(self, settings: ServiceSettings, extractor: Extractor, tokenizer: Tokenizer, metrics: Metrics,
+    def __init__(self, settings: ServiceSettings, extractor: Extractor, tokenizer: TokenizerPool, metrics: Metrics,
                  gate: AdmissionGate):
         self.settings = settings
         self.extractor = extractor
@@ -66,6 +69,9 @@ class HiddenStatesService:
         self.max_tokens = min(
             settings.max_tokens_per_request or self.facts.max_model_len - 1, self.facts.max_model_len - 1
         )
+        # Text beyond what max_tokens could ever need (64 bytes a token is generous) is
+        # work without use: refused before any templating or tokenizing.
+        self.max_text_bytes = settings.max_text_bytes or max(MIN_TEXT_BYTES, TEXT_BYTES_PER_TOKEN * self.max_tokens)
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
                                      settings.zstd_level)
         self.leases: Leases | None = None
@@ -94,23 +100,39 @@ class HiddenStatesService:
         ids = sorted(set(asked))
         return ids, [served.index(k) for k in ids]
 
-    def _encode(self, req: HiddenStatesRequest) -> Encoded:
-        if req.input_ids is not None:
+    def _check_text(self, req: HiddenStatesRequest) -> None:
+        if req.chat_template is not None and not self.settings.trust_request_chat_template:
+            raise BadInput("this server does not run request-supplied chat templates (a template is code); "
+                           "leave chat_template out to use the server's, or start it with "
+                           "--trust-request-chat-template")
+        if req.messages is not None and len(req.messages) > self.settings.max_messages:
+            raise TooLarge(f"{len(req.messages)} messages; this server takes at most {self.settings.max_messages} "
+                           "(--max-messages)")
+        size = text_bytes(req)
+        if size > self.max_text_bytes:
+            raise TooLarge(f"{size} bytes of text; this server takes at most {self.max_text_bytes} bytes a request "
+                           "(--max-text-bytes): send a shorter input")
+
+    async def _encode(self, req: HiddenStatesRequest) -> Encoded:
+        if req.input_ids is not None:  # never waits for the tokenizer pool
             vocab = self.facts.vocab_size
             bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise BadInput(f"input id {bad} is outside the vocabulary 0..{vocab - 1}")
             mask = list(req.loss_mask) if req.loss_mask is not None else None
             return Encoded(list(req.input_ids), mask, "request" if mask is not None else "none")
+        self._check_text(req)
         if req.prompt is not None:
-            return self.tokenizer.encode_prompt(req.prompt, req.add_special_tokens)
-        if len(req.messages) > self.settings.max_messages:
-            raise TooLarge(f"{len(req.messages)} messages; this server takes at most {self.settings.max_messages}")
+            keep = self._limit(req) if req.truncation == "right" else None
+            return await self.tokenizer.encode("prompt", req.prompt, req.add_special_tokens, keep)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        return self.tokenizer.encode_chat(messages, req.tools, req.chat_template, req.assistant_mask)
+        return await self.tokenizer.encode("chat", messages, req.tools, req.chat_template, req.assistant_mask)
+
+    def _limit(self, req: HiddenStatesRequest) -> int:
+        return min(req.max_length or self.max_tokens, self.max_tokens)
 
     def _truncate(self, enc: Encoded, req: HiddenStatesRequest) -> Encoded:
-        limit = min(req.max_length or self.max_tokens, self.max_tokens)
+        limit = self._limit(req)
         n = len(enc.token_ids)
         if n == 0:
             raise BadInput("the input tokenizes to zero tokens")
@@ -128,13 +150,7 @@ class HiddenStatesService:
 
     async def prepare(self, req: HiddenStatesRequest) -> Prepared:
         layer_ids, layer_index = self._layers(req.layers)
-        # Tokenizing and template rendering are CPU work: keep them off the event loop.
-        try:
-            enc = await asyncio.to_thread(self._encode, req)
-        except ServiceError:
-            raise
-        except Exception as exc:  # e.g. text the tokenizer cannot take (lone surrogates)
-            raise BadInput(f"could not tokenize the input: {exc}") from exc
+        enc = await self._encode(req)  # templating and tokenizing: in the pool's processes
         return Prepared(self._truncate(enc, req), layer_ids, layer_index)
 
     async def tokenize(self, req: HiddenStatesRequest, request_id: str) -> dict:
@@ -158,7 +174,7 @@ class HiddenStatesService:
 
     # ------------------------------------------------------------------- the request
     async def run(self, req: HiddenStatesRequest, request_id: str, ticket: Ticket, coding: str,
-                  lease: bool = False) -> Reply:
+                  lease: bool = False, session: str | None = None) -> Reply:
         """Prepare, admit (`ticket`), prefill; raises ServiceError on refusal. `lease`:
         answer with a lease on the arena range instead of the states' bytes (lease.py);
         the range then lives until the lease is released or expires. `coding`: identity,
@@ -178,10 +194,11 @@ class HiddenStatesService:
             raise
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
-        return self._reply(req, prep, reservation, request_id, coding, lease and self.leases is not None, started)
+        return self._reply(req, prep, reservation, request_id, coding, lease and self.leases is not None, started,
+                           session)
 
     def _reply(self, req: HiddenStatesRequest, prep: Prepared, reservation: Reservation, request_id: str,
-               coding: str, lease: bool, started: float) -> Reply:
+               coding: str, lease: bool, started: float, session: str | None = None) -> Reply:
         t_send = time.perf_counter()
         f = self.facts
         ids = prep.encoded.token_ids
@@ -198,7 +215,7 @@ class HiddenStatesService:
             specs.pop(0)
             parts.pop(0)
             extent = reservation.extent
-            lease_id = self.leases.grant(reservation.hand_over())
+            lease_id = self.leases.grant(reservation.hand_over(), session)
             self.metrics.leases.labels("granted").inc()
             metadata["lease"] = json.dumps({
                 "id": lease_id, "arena_id": self.extractor.arena.arena_id, "offset": extent.offset,
@@ -268,3 +285,15 @@ class HiddenStatesService:
 
     def release_lease(self, lease_id: str) -> bool:
         return self.leases is not None and self.leases.release(lease_id)
+
+
+def text_bytes(req: HiddenStatesRequest) -> int:
+    """The text a request asks the server to template and tokenize, in UTF-8 bytes."""
+    if req.prompt is not None:
+        return len(req.prompt.encode("utf-8", "surrogatepass"))
+    total = len(req.chat_template or "") + (len(json.dumps(req.tools)) if req.tools else 0)
+    for m in req.messages or ():
+        c = m.content
+        total += len(c.encode("utf-8", "surrogatepass")) if isinstance(c, str) else len(json.dumps(c)) if c else 0
+        total += len(json.dumps(m.model_extra)) if m.model_extra else 0
+    return total

@@ -62,6 +62,26 @@ class ServiceSettings(BaseSettings):
     shutdown_timeout: float = Field(30.0, ge=0, description="Seconds in-flight requests get after SIGTERM")
     request_timeout: float = Field(600.0, gt=0, description="Seconds one request may take in the engine")
     chat_template: str | None = Field(None, description="Jinja chat template file (default: the tokenizer's)")
+    trust_request_chat_template: bool = Field(
+        False, description="Accept a chat_template in requests (off: 400; a template is code the server runs)"
+    )
+    max_text_bytes: int | None = Field(
+        None, ge=1, description="Most text bytes in one request (413 beyond; default 64 x the token limit, at least 4 MiB)"
+    )
+    tokenize_workers: int = Field(2, ge=1, description="Processes that render chat templates and tokenize")
+    tokenize_queue: int = Field(32, ge=0, description="Requests waiting for a tokenizer process beyond the busy ones (503 beyond)")
+    tokenize_timeout: float = Field(30.0, gt=0, description="Seconds one request may spend templating and tokenizing (400 beyond)")
+    tokenize_memory: int = Field(
+        4 * GiB, ge=256 * MiB, description="Bytes each tokenizer process may allocate beyond its loaded tokenizer (a request that needs more: 413)"
+    )
+    body_timeout: float = Field(30.0, gt=0, description="Seconds a client may take to send its request body (408 beyond)")
+    max_receiving: int = Field(64, ge=1, description="Connections still sending their request body at once (503 beyond)")
+    max_header_bytes: int = Field(64 * 1024, ge=1024, description="Largest total size of a request's headers (431 beyond)")
+    max_headers: int = Field(100, ge=8, description="Most headers in one request (431 beyond)")
+    lease_api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="API keys that may take same-host leases (read the shared arena); with --api-key set, others get HTTP bodies",
+    )
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of compressed responses")
     compress_threads: int | None = Field(
         None, ge=1, description="Threads compressing response bodies (default: the cores less 2, at least 1)"
@@ -76,8 +96,13 @@ class ServiceSettings(BaseSettings):
         "not compared its states with transformers (docs/compatibility.md)",
     )
 
+    @property
+    def accepted_keys(self) -> list[str]:
+        """Every key that may call the API: --api-key and --lease-api-key."""
+        return list(dict.fromkeys([*self.api_key, *self.lease_api_key]))
+
     _split_layers = field_validator("layers", mode="before")(_int_list)
-    _split_keys = field_validator("api_key", mode="before")(_str_list)
+    _split_keys = field_validator("api_key", "lease_api_key", mode="before")(_str_list)
 
 
 # The service's flags: name -> help, for cli.py and for the deployment tests.

@@ -1,13 +1,22 @@
-"""Text and chat to token ids, and the assistant-token loss mask.
+"""Text and chat to token ids, and the assistant-token loss mask (runs in the tokenizer
+processes of tokenize_pool.py, never on the event loop).
 
-The mask comes from the rendered text, so it works with any chat template:
-- templates with `{% generation %}` markers: transformers' own assistant mask;
-- others: each assistant turn's character span is the text between the chat
-  rendered up to that turn with the generation prompt and the chat rendered
-  through that turn (so the span holds the reply and its end-of-turn marker). When
-  a template re-renders earlier turns differently (e.g. drops reasoning), the
-  span falls back to the reply's content found in the full text.
-Tokens whose first character lies in a span are supervised.
+The mask comes from the rendered text, so it works with any chat template. The
+definition (the per-turn method): each assistant turn's character span runs from the end
+of the chat rendered up to that turn with the generation prompt to the end of the chat
+rendered through that turn (so the span holds the reply and its end-of-turn marker).
+When a template re-renders earlier turns differently (e.g. drops reasoning), the span
+falls back to the reply's content found in the full text. Tokens whose first character
+lies in a span are supervised.
+
+Rendering twice per turn is quadratic in the chat's length (4096 messages: ~40 s), so
+the spans come from a constant number of renderings (`_one_pass_spans`): the chat once
+with every assistant reply replaced by a unique placeholder locates each reply in the
+full text; the per-turn method run on the last assistant turn alone gives the text
+between the generation prompt and the reply and the reply's end marker; every other turn
+must show the same two strings around its reply. Any mismatch (a template whose turns
+are not alike) falls back to the per-turn method, or, past PER_TURN_LIMIT assistant
+turns, to the content search, so the cost stays bounded either way.
 """
 
 from __future__ import annotations
@@ -18,12 +27,18 @@ from typing import Any
 
 from hsx_service.errors import BadInput
 
+PER_TURN_LIMIT = 64  # assistant turns the quadratic per-turn fallback may take
+PREFIX_CHARS_PER_TOKEN = 8  # first guess of the text a kept prefix of tokens needs
+
 
 @dataclass
 class Encoded:
     token_ids: list[int]
     loss_mask: list[int] | None
     mask_source: str  # "request", "chat_template", "none"
+
+
+Span = tuple[int, int]
 
 
 class Tokenizer:
@@ -39,10 +54,34 @@ class Tokenizer:
             return None
         return hashlib.sha256(self.default_template.encode()).hexdigest()
 
-    def encode_prompt(self, text: str, add_special_tokens: bool) -> Encoded:
+    # ---------------------------------------------------------------------- prompts
+    def encode_prompt(self, text: str, add_special_tokens: bool, keep_first: int | None = None) -> Encoded:
+        """`keep_first`: only the first tokens matter (right truncation): tokenize a
+        bounded prefix of the text instead of all of it (`prefix_ids`)."""
+        if keep_first is not None:
+            ids = self.prefix_ids(text, add_special_tokens, keep_first)
+            if ids is not None:
+                return Encoded(ids, None, "none")
         ids = self.tok(text, add_special_tokens=add_special_tokens)["input_ids"]
         return Encoded(list(ids), None, "none")
 
+    def prefix_ids(self, text: str, add_special_tokens: bool, keep: int) -> list[int] | None:
+        """The first `keep` tokens of `text`'s full tokenization, from prefixes of it: a
+        prefix's tokens near its cut may differ from the full text's (a word cut in two),
+        so the first `keep` tokens are taken only once a prefix twice as long gives the
+        same ones. None when the text is too short for that (tokenize it whole)."""
+        chars = max(64, keep * PREFIX_CHARS_PER_TOKEN)
+        shorter: list[int] | None = None
+        while chars < len(text):
+            ids = list(self.tok(text[:chars], add_special_tokens=add_special_tokens)["input_ids"])
+            if len(ids) > keep:
+                if shorter is not None and shorter[:keep] == ids[:keep]:
+                    return ids[:keep]
+                shorter = ids
+            chars *= 2
+        return None
+
+    # ------------------------------------------------------------------------ chats
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
@@ -54,7 +93,7 @@ class Tokenizer:
         if not template:
             raise BadInput(
                 "this model has no chat template: start the server with --chat-template FILE "
-                "or send chat_template with the request"
+                "(or with --trust-request-chat-template, send chat_template with the request)"
             )
         if not any(m.get("role") == "assistant" for m in messages):
             raise BadInput("messages hold no assistant turn, so there is nothing to supervise")
@@ -64,40 +103,145 @@ class Tokenizer:
                 return self.tok.apply_chat_template(
                     msgs, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=gen_prompt
                 )
+            except MemoryError:  # the worker's --tokenize-memory: the pool answers 413
+                raise
             except Exception as exc:  # jinja errors, raise_exception() in templates
                 raise BadInput(f"the chat template failed to render these messages: {exc}") from exc
 
         full = render(messages, False)
-        spans = self._assistant_spans(messages, full, render)
+        spans = assistant_spans(messages, full, render)
         if which == "last":
             spans = spans[-1:]
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
-        mask = [0] * len(ids)
-        for t, (start, end) in enumerate(enc["offset_mapping"]):
-            if end > start and any(s <= start < e for s, e in spans):
-                mask[t] = 1
-        return Encoded(ids, mask, "chat_template")
+        return Encoded(ids, mask_from_spans(enc["offset_mapping"], spans), "chat_template")
 
-    @staticmethod
-    def _assistant_spans(messages: list[dict[str, Any]], full: str, render) -> list[tuple[int, int]]:
-        spans: list[tuple[int, int]] = []
-        cursor = 0
-        for i, msg in enumerate(messages):
-            if msg.get("role") != "assistant":
-                continue
-            before = render(messages[:i], True)
-            through = render(messages[: i + 1], False)
-            if full.startswith(before) and full.startswith(through) and len(through) > len(before):
-                start, end = len(before), len(through)
-            else:
-                content = msg.get("content") or ""
-                if not isinstance(content, str) or not content:
-                    continue
-                start = full.find(content, cursor)
-                if start < 0:
-                    continue
-                end = start + len(content)
-            spans.append((start, end))
-            cursor = end
+
+def mask_from_spans(offsets, spans: list[Span]) -> list[int]:
+    """1 for each token whose first character lies in a span (spans ascending): one walk."""
+    mask = [0] * len(offsets)
+    k = 0
+    for t, (start, end) in enumerate(offsets):
+        if end <= start:
+            continue
+        while k < len(spans) and spans[k][1] <= start:
+            k += 1
+        if k < len(spans) and spans[k][0] <= start:
+            mask[t] = 1
+    return mask
+
+
+def assistant_spans(messages: list[dict[str, Any]], full: str, render) -> list[Span]:
+    spans = _one_pass_spans(messages, full, render)
+    if spans is not None:
         return spans
+    assistants = sum(1 for m in messages if m.get("role") == "assistant")
+    if assistants <= PER_TURN_LIMIT:
+        return per_turn_spans(messages, full, render)
+    return _content_spans(messages, full)
+
+
+def per_turn_spans(messages: list[dict[str, Any]], full: str, render) -> list[Span]:
+    """The definition: two renderings per assistant turn (quadratic)."""
+    spans: list[Span] = []
+    cursor = 0
+    for i, msg in enumerate(messages):
+        if msg.get("role") != "assistant":
+            continue
+        span = _turn_span(messages, i, full, render)
+        if span is None:
+            span = _find_content(msg, full, cursor)
+            if span is None:
+                continue
+        spans.append(span)
+        cursor = span[1]
+    return spans
+
+
+def _turn_span(messages, i: int, full: str, render) -> Span | None:
+    before = render(messages[:i], True)
+    through = render(messages[: i + 1], False)
+    if full.startswith(before) and full.startswith(through) and len(through) > len(before):
+        return len(before), len(through)
+    return None
+
+
+def _find_content(msg: dict[str, Any], full: str, cursor: int) -> Span | None:
+    content = msg.get("content") or ""
+    if not isinstance(content, str) or not content:
+        return None
+    start = full.find(content, cursor)
+    return None if start < 0 else (start, start + len(content))
+
+
+def _content_spans(messages, full: str) -> list[Span]:
+    spans, cursor = [], 0
+    for msg in messages:
+        if msg.get("role") == "assistant" and (span := _find_content(msg, full, cursor)) is not None:
+            spans.append(span)
+            cursor = span[1]
+    return spans
+
+
+def _placeholder(k: int) -> str:
+    return f"\ue000hsx{k}\ue001"  # private-use characters: in no real chat
+
+
+def _one_pass_spans(messages: list[dict[str, Any]], full: str, render) -> list[Span] | None:
+    """The per-turn method's spans from four renderings, or None where the template's
+    assistant turns do not all look alike (see the module docstring)."""
+    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if any(not isinstance(messages[i].get("content"), str) for i in turns):
+        return None
+    if any(_placeholder(0)[0] in str(m.get("content")) for m in messages):
+        return None
+    marked = [dict(m) for m in messages]
+    for k, i in enumerate(turns):
+        marked[i]["content"] = _placeholder(k)
+    replies = _locate_replies(render(marked, False), full, [messages[i]["content"] for i in turns])
+    if replies is None:
+        return None
+    last = _turn_span(messages, turns[-1], full, render)
+    if last is None:
+        return None
+    (cs, ce), (start, end) = replies[-1], last
+    if not start <= cs <= ce <= end:
+        return None
+    head, tail = full[start:cs], full[ce:end]
+    spans = []
+    for cs, ce in replies:
+        if full[cs - len(head):cs] != head or full[ce:ce + len(tail)] != tail or cs < len(head):
+            return None
+        spans.append((cs - len(head), ce + len(tail)))
+    return spans
+
+
+def _locate_replies(marked: str, full: str, replies: list[str]) -> list[Span] | None:
+    """Where each reply lies in `full`, given the same chat rendered with placeholders
+    for the replies: the text between placeholders must match `full` exactly and each
+    reply appear as given or stripped (templates `trim` replies)."""
+    spans: list[Span] = []
+    pos = 0  # in full
+    at = 0  # in marked
+    for k, reply in enumerate(replies):
+        mark = _placeholder(k)
+        m = marked.find(mark, at)  # a placeholder rendered twice would leave one in the text
+        if m < 0:  # compared with `full` below, which holds none: no match
+            return None
+        between = marked[at:m]
+        if full[pos:pos + len(between)] != between:
+            return None
+        pos += len(between)
+        at = m + len(mark)
+        nxt = marked.find(_placeholder(k + 1), at) if k + 1 < len(replies) else len(marked)
+        following = marked[at:nxt if nxt >= 0 else len(marked)]
+        for form in dict.fromkeys((reply, reply.strip(), reply.lstrip(), reply.rstrip())):
+            if full.startswith(form, pos) and full.startswith(following, pos + len(form)):
+                spans.append((pos, pos + len(form)))
+                pos += len(form)
+                break
+        else:
+            return None
+    if marked[at:] != full[pos:]:
+        return None
+    return spans

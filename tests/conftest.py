@@ -94,7 +94,7 @@ def stories_server(log_dir):
     server = ServerProcess(
         str(STORIES), "--dtype", "float32", "--layers", "0,1,2,3,4,5",
         "--enable-prefix-caching", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
-        "--chat-template", str(TEMPLATES / "llama3.jinja"),
+        "--chat-template", str(TEMPLATES / "llama3.jinja"), "--trust-request-chat-template",
         log_dir=log_dir, name="stories",
     )
     yield server.wait_ready()

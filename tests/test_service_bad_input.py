@@ -101,7 +101,9 @@ def test_chat_without_assistant_turn(still_serving):
     assert_error(post(still_serving, {"messages": [{"role": "user", "content": "hi"}]}), 400, "assistant")
 
 
-def test_broken_chat_template(still_serving):
+def test_request_chat_template_refused_unless_trusted(still_serving):
+    """Issue 11: a template is code; without --trust-request-chat-template it is refused
+    (test_service_hostile.py has the trusted server: broken and hostile templates)."""
     r = post(still_serving, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
                              "chat_template": "{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}"})
-    assert_error(r, 400, "template")
+    assert_error(r, 400, "--trust-request-chat-template")

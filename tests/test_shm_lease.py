@@ -30,7 +30,8 @@ from hsx_client.verify import verify_corpus
 from hsx_service.arena import ALIGN, Allocator, SharedArena
 from hsx_service.lease import ArenaSocket, Leases, boot_id
 
-KEY = "lease-key-0123456789"
+KEY = "lease-key-0123456789"  # marked for leases (--lease-api-key)
+OTHER_KEY = "other-team-key-abcdef"  # a valid API key that may not lease
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -64,7 +65,7 @@ def _offer(sock: ArenaSocket, arena: SharedArena) -> dict:
 
 def test_socket_hands_a_read_only_mapping_to_the_right_key(arena):
     arena.view[4096:4100] = b"hsx!"
-    sock = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, [KEY]).start()
+    sock = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, [KEY, OTHER_KEY], lease_keys=[KEY]).start()
     try:
         mapped = shm.attach(_offer(sock, arena), KEY)
         assert mapped.arena_id == arena.arena_id and mapped.size == arena.size
@@ -80,6 +81,50 @@ def test_socket_hands_a_read_only_mapping_to_the_right_key(arena):
             shm.attach(_offer(sock, arena), "wrong-key")
         with pytest.raises(shm.ShmUnavailable, match="refused"):
             shm.attach(_offer(sock, arena), None)
+    finally:
+        sock.close()
+
+
+def test_a_key_not_marked_for_leases_gets_no_mapping(arena):
+    """Issue 11: any key holder could map the whole arena (every client's states)."""
+    sock = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, [KEY, OTHER_KEY], lease_keys=[KEY]).start()
+    try:
+        with pytest.raises(shm.ShmUnavailable, match="may not take leases"):
+            shm.attach(_offer(sock, arena), OTHER_KEY)
+    finally:
+        sock.close()
+    sock = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, [KEY]).start()  # keys, none marked
+    try:
+        with pytest.raises(shm.ShmUnavailable, match="may not take leases"):
+            shm.attach(_offer(sock, arena), KEY)
+    finally:
+        sock.close()
+
+
+async def test_closing_the_session_releases_its_leases_at_once(arena):
+    """Issue 10 point 10: a dead client's leases go when its arena-socket connection
+    closes, not at --lease-timeout; others' leases stay."""
+    allocator = Allocator(arena.size)
+    leases = Leases(timeout=600)
+    sock = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, [], on_session_end=leases.end_session).start()
+    try:
+        mine, other = [await asyncio.to_thread(shm.attach, _offer(sock, arena), None) for _ in range(2)]
+        assert mine.session in sock.sessions and other.session in sock.sessions
+        for session in [mine.session] * 8 + [other.session]:
+            leases.grant(allocator.reserve(ALIGN), session)
+        assert len(leases) == 9
+        mine.close()
+        for _ in range(100):
+            if len(leases) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert len(leases) == 1 and allocator.used == ALIGN and mine.session not in sock.sessions
+        other.close()
+        for _ in range(100):
+            if not leases:
+                break
+            await asyncio.sleep(0.02)
+        assert allocator.used == 0
     finally:
         sock.close()
 
@@ -161,7 +206,8 @@ LEASE_TIMEOUT = 3.0
 def _start_leasing(tiny_model, log_dir) -> ServerProcess:
     """API key (so the socket wants it too) and a short lease timeout."""
     return ServerProcess(
-        str(tiny_model), "--dtype", "float32", "--max-model-len", "1024", "--layers", "1,2,4,6", "--api-key", KEY,
+        str(tiny_model), "--dtype", "float32", "--max-model-len", "1024", "--layers", "1,2,4,6",
+        "--api-key", OTHER_KEY, "--lease-api-key", KEY,
         "--lease-timeout", str(LEASE_TIMEOUT), "--arena-bytes", str(16 << 20), "--shutdown-timeout", "30",
         log_dir=log_dir, name="leasing",
     ).wait_ready()
@@ -292,3 +338,68 @@ async def test_sigterm_waits_for_a_held_lease(leasing_to_stop):
         assert server.proc.poll() is None  # still there for the lease holder
         await client.release_lease(r.lease)
     assert server.proc.wait(30) == 0
+
+
+@pytest.mark.engine
+async def test_a_key_not_marked_for_leases_gets_http_bodies(leasing):
+    other = {"Authorization": f"Bearer {OTHER_KEY}"}
+    assert httpx.get(leasing.url + "/info", headers=other).json()["shm_lease"] is None
+    assert httpx.get(leasing.url + "/info", headers=AUTH).json()["shm_lease"] is not None
+    r = httpx.post(leasing.url + "/hidden_states", json={"input_ids": [1, 5, 6]},
+                   headers={**other, "Accept": wire.LEASE_MEDIA_TYPE})  # asks anyway
+    assert r.status_code == 200 and r.headers["content-type"] == wire.MEDIA_TYPE
+    assert wire.decode(r.content).hidden_states.shape[0] == 3
+    async with HsxClient(leasing.url, api_key=OTHER_KEY) as client:
+        assert (await client.hidden_states_response({"input_ids": [1, 5, 6]}, lease_ok=True)).lease is None
+
+
+HOLDER = """
+import asyncio, sys
+from hsx_client.api import HsxClient
+
+async def main():
+    async with HsxClient(sys.argv[1], api_key=sys.argv[2]) as client:
+        held = [await client.hidden_states_response({"input_ids": [1, 2, 3, 4 + i]}, lease_ok=True)
+                for i in range(8)]
+        assert all(r.lease is not None for r in held)
+        print("held", flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.engine
+def test_a_killed_client_s_leases_go_at_once_and_sigterm_is_prompt(tiny_model, log_dir):
+    """Issue 10 point 10: SIGKILL a client holding 8 leases: the arena is back to 0 in
+    about a second (not at --lease-timeout 120 s), and SIGTERM then exits promptly."""
+    import subprocess
+    import sys
+    import time
+
+    need_vllm()
+    server = ServerProcess(
+        str(tiny_model), "--dtype", "float32", "--max-model-len", "1024", "--layers", "1,2,4,6",
+        "--lease-api-key", KEY, "--lease-timeout", "120", "--arena-bytes", str(16 << 20),
+        log_dir=log_dir, name="lease-sessions",
+    ).wait_ready(timeout=1200)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, server.url, KEY], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        m = server.metrics()
+        assert m.get("hsx_leases_live") == 8 and m.get("hsx_arena_used_bytes") > 0
+        killed = time.monotonic()
+        holder.kill()
+        holder.wait(10)
+        wait_until(lambda: server.metrics().get("hsx_leases_live") == 0, 10,
+                   "the dead client's leases were released long before their 120 s timeout")
+        freed = time.monotonic() - killed
+        m = server.metrics()
+        assert m.get("hsx_arena_used_bytes") == 0 and m.get("hsx_leases_total", outcome="client_gone") == 8
+        signalled = time.monotonic()
+        server.signal(signal.SIGTERM)
+        assert server.proc.wait(20) == 0
+    finally:
+        holder.kill()
+        server.stop()
+    print(f"leases of a SIGKILLed client released in {freed:.2f} s; SIGTERM to exit {time.monotonic() - signalled:.2f} s")

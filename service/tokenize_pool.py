@@ -1,0 +1,123 @@
+"""Chat templating and tokenization in a small pool of processes (pebble's ProcessPool).
+
+A chat template is a program: a hostile or unlucky one loops for hours or allocates
+gigabytes, and a thread cannot be stopped. So templating and tokenizing run in worker
+processes that can be:
+- stopped: each task has a deadline (`--tokenize-timeout`); pebble kills the worker that
+  overruns it and starts a fresh one (the request gets 400);
+- bounded: each worker may allocate at most `--tokenize-memory` beyond what the loaded
+  tokenizer takes (RLIMIT_DATA; the request that needs more gets 413);
+- refused: at most `--tokenize-workers` + `--tokenize-queue` requests are in the pool at
+  once; one more gets 503 + Retry-After at once (`hsx_rejected_total{reason="tokenize"}`).
+`input_ids` requests never come here, so they never wait behind templating. Each worker
+loads the tokenizer once, at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import resource
+import signal
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from pebble import ProcessExpired, ProcessPool
+
+from hsx_service.errors import BadInput, Overloaded, ServiceError, TooLarge
+from hsx_service.tokenize import Encoded, Tokenizer
+
+log = logging.getLogger("hsx.tokenize")
+
+_TOKENIZER: Tokenizer | None = None  # in each worker process
+
+
+def _init_worker(name: str, revision: str | None, trust_remote_code: bool, template: str | None,
+                 memory: int) -> None:
+    global _TOKENIZER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the server; the pool stops with it
+    _TOKENIZER = Tokenizer(name, revision, trust_remote_code, template)
+    # RLIMIT_DATA (Linux >= 4.7: heap and private writable mappings), not RLIMIT_AS: the
+    # address space also holds reservations (malloc's per-thread arenas, libraries) that
+    # use no memory and grow with the core count.
+    loaded = _data_bytes()
+    resource.setrlimit(resource.RLIMIT_DATA, (loaded + memory, loaded + memory))
+
+
+def _data_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _encode(kind: str, args: tuple) -> Encoded:
+    assert _TOKENIZER is not None
+    try:
+        if kind == "prompt":
+            return _TOKENIZER.encode_prompt(*args)
+        return _TOKENIZER.encode_chat(*args)
+    except MemoryError:
+        raise TooLarge("templating or tokenizing this input needs more memory than the server's "
+                       "--tokenize-memory allows; send a smaller input") from None
+    except ServiceError:
+        raise
+    except Exception as exc:  # e.g. text the tokenizer cannot take (lone surrogates)
+        raise BadInput(f"could not tokenize the input: {exc}") from None
+
+
+def _ping() -> str | None:
+    assert _TOKENIZER is not None
+    return _TOKENIZER.template_sha256
+
+
+def _context():
+    """forkserver: never fork the server itself (it runs vLLM's threads), and a worker
+    that replaces a killed one forks from a process that has transformers imported
+    already (seconds sooner than a fresh interpreter)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["hsx_service.tokenize_pool", "transformers.models.auto.tokenization_auto"])
+    return ctx
+
+
+class TokenizerPool:
+    def __init__(self, name: str, revision: str | None, trust_remote_code: bool, template: str | None, *,
+                 workers: int, queue: int, timeout: float, memory: int) -> None:
+        self.capacity = workers + queue
+        self.timeout = timeout
+        self.busy = 0  # requests in the pool (running or waiting for a worker)
+        self.template_sha256: str | None = None  # of the server's chat template, once ready
+        self._pool = ProcessPool(
+            max_workers=workers, initializer=_init_worker,
+            initargs=(name, revision, trust_remote_code, template, memory),
+            context=_context(),
+        )
+
+    async def ready(self) -> None:
+        """Wait until a worker has loaded the tokenizer (raises what its start raised)."""
+        self.template_sha256 = await asyncio.wrap_future(self._pool.schedule(_ping))
+
+    async def encode(self, kind: str, *args: Any) -> Encoded:
+        """kind "prompt": (text, add_special_tokens, keep_first); "chat": (messages, tools,
+        template, which). Raises ServiceError (Overloaded when the pool is full)."""
+        if self.busy >= self.capacity:
+            raise Overloaded(f"{self.busy} requests are being tokenized (limit {self.capacity}); retry shortly",
+                             reason="tokenize")
+        self.busy += 1
+        try:
+            future = self._pool.schedule(_encode, args=(kind, args), timeout=self.timeout)
+            return await asyncio.wrap_future(future)  # cancelling it stops the worker
+        except FutureTimeout:
+            raise BadInput(f"templating and tokenizing this input took longer than the server's "
+                           f"--tokenize-timeout of {self.timeout:g}s; send a smaller input") from None
+        except ProcessExpired as exc:
+            raise TooLarge(f"the tokenizer process died on this input ({exc}); send a smaller input") from None
+        finally:
+            self.busy -= 1
+
+    def close(self) -> None:
+        """Stop the workers now (running tasks included) and wait for them."""
+        self._pool.stop()
+        self._pool.join(timeout=5)
