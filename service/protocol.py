@@ -35,6 +35,11 @@ class HiddenStatesRequest(BaseModel):
     truncation: Literal["error", "right", "left"] = Field(
         "error", description="Over max_length: refuse, or drop tokens at the end / at the start"
     )
+    require_supervised: bool = Field(
+        False,
+        description="Refuse (422 no_supervised_tokens) an input whose loss mask, after truncation, "
+        "supervises no token; checked before the engine, so such a row costs no prefill",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> "HiddenStatesRequest":

@@ -35,7 +35,7 @@ def check_against_reference(model_dir, dec, tol):
 def test_info_reports_default_layers(tiny_server):
     info = httpx.get(tiny_server.url + "/info").json()
     assert info["num_hidden_layers"] == 6
-    assert info["layer_ids"] == [2, 3, 6]  # [2, N//2, N-3, N] deduplicated
+    assert info["layer_ids"] == [1, 2, 3, 6]  # hsx.layers.default_layers(6)
     assert info["dtype"] == "bfloat16" and info["hidden_size"] == 128
     assert info["last_layer_pre_norm"] is True
 
