@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -155,7 +154,7 @@ class Extractor:
         except AuthenticationError as exc:
             result = ExtractResult(EXIT_REFUSED, "refused", {"message": f"authentication failed: {exc}"})
         except ServersUnreachableError as exc:
-            result = ExtractResult(EXIT_ERROR, "error", {"message": str(exc)})
+            result = ExtractResult(EXIT_ERROR, "error", {"message": exc.message})
         except RetriesExhaustedError as exc:
             result = ExtractResult(EXIT_ERROR, "error", {"message": f"servers unreachable: {exc}"})
         except HsxError as exc:
@@ -422,8 +421,8 @@ def check_chat_template(samples: planning.Samples, infos: dict[str, dict[str, An
 
 
 def _silence_progress_bars() -> None:
-    """--quiet: datasets' own "Saving the dataset" bars too (finalize's save_to_disk)."""
-    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"  # for an import still to come
+    """--quiet: datasets' own "Saving the dataset" bars too (finalize's save_to_disk; the
+    format's `prepare` imported datasets already when its finalize uses it)."""
     if "datasets" in sys.modules:
         sys.modules["datasets"].disable_progress_bars()
 

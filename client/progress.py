@@ -45,7 +45,7 @@ class Progress:
         self.written_bytes = 0
         self._last_refresh = 0.0
         self._bar = None
-        if not quiet:
+        if not quiet and total > 0:  # nothing to do: no bar (it would stand at 100% with 0 done)
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, file=self.stream, unit="sample", dynamic_ncols=True,

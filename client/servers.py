@@ -118,7 +118,7 @@ class ServerSet:
             isinstance(error, RequestTimeoutError) and error.type != "connect_timeout")
         if connect and not s.answered:
             s.unreachable, s.healthy = True, False
-            s.last_error = str(error)
+            s.last_error = error.message
             return True
         return False
 

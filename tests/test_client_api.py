@@ -347,7 +347,7 @@ async def test_servers_that_never_answered_fail_at_once():
 async def test_the_readme_snippet_against_a_dead_url_fails_within_seconds():
     """README's library snippet, on a real socket where nothing listens."""
     t0 = time.monotonic()
-    with pytest.raises(ServersUnreachableError, match="Connection refused|ConnectError"):
+    with pytest.raises(ServersUnreachableError, match="ConnectError"):
         async with HsxClient([dead_url()]) as client:
             await client.hidden_states(messages=[{"role": "user", "content": "Hi"},
                                                  {"role": "assistant", "content": "Hello!"}])
