@@ -260,6 +260,26 @@ class HsxClient:
 
         return await self._pool.with_retries(attempt, rid0)
 
+    async def count_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
+        """`POST /tokenize`: the tokens the server would prefill for this /hidden_states body
+        (after truncation), with the served tokenizer and template, without the prefill."""
+        payload = json.dumps({k: v for k, v in body.items() if v is not None}).encode()
+
+        async def attempt(server: ServerState, rid: str) -> Any:
+            http = self._ensure_open()
+            try:
+                resp = await http.post(server.url + "/tokenize", content=payload,
+                                       headers={"Content-Type": "application/json", "X-Request-Id": rid})
+            except httpx.HTTPError as exc:
+                raise self._wrap_transport_error(exc, server, rid) from exc
+            server.answered = True
+            if resp.status_code != 200:
+                raise error_from_response(resp.status_code, resp.content, resp.headers, server=server.url,
+                                          request_id=resp.headers.get("x-request-id") or rid)
+            return resp.json()
+
+        return await self._pool.with_retries(attempt, None)
+
     async def release_lease(self, lease: Lease) -> None:
         """Give a lease's range back. Raises LeaseExpiredError when it had expired (or the
         answer is unknown): the states read under it may be stale, so redo the request."""

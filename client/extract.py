@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -131,6 +132,8 @@ class Extractor:
         self.loop: RunLoop | None = None
         self._stop_reason: str | None = None
         self._notes: list[str] = []  # said once the progress bar is up
+        self._token_ratio: float | None = None  # the served tokenizer's real / estimated tokens
+        self._disk_estimate: int | None = None
 
     def request_stop(self, reason: str) -> None:
         """Stop admitting samples and cancel the requests in flight (exit 130)."""
@@ -227,6 +230,7 @@ class Extractor:
             disk = None
             if plan is None:  # every check passes before DIR gets its plan
                 plan = planning.new_plan(settings, inputs, samples, info)
+                self._token_ratio = await token_ratio(client, plan["keys"], samples, settings)
                 disk = self._check_disk(list(range(len(plan["keys"]))), plan["keys"], samples, settings, info,
                                         fmt, ctx)
                 store.write_files_atomic(out, {store.BAD_ROWS_NAME: b"".join(
@@ -242,7 +246,8 @@ class Extractor:
                     store.JsonlLog(out / store.FAILED_NAME) as failed_log:
                 done, failed, redo = self._what_is_done(fmt, keys, manifest)
                 todo = planning.pending(len(keys), done, failed)
-                if not new_run:
+                if not new_run and todo:
+                    self._token_ratio = await token_ratio(client, [keys[i] for i in todo], samples, settings)
                     disk = self._check_disk(todo, keys, samples, settings, info, fmt, ctx)
                 progress = Progress(len(todo), quiet=cfg.quiet, server_stats=client.stats)
                 for note in self._notes:
@@ -300,8 +305,10 @@ class Extractor:
             corpus.unlink()
             store.fsync_dir(self.out)
         need = planning.disk_needed((samples.by_key[keys[i]].request for i in todo), fmt.bytes_per_token(ctx),
-                                    settings["max_length"], info.get("max_model_len"))
-        return store.check_disk_space(self.out, need, force=self.cfg.force_disk)
+                                    settings["max_length"], info.get("max_model_len"), self._token_ratio or 1.0)
+        est = store.check_disk_space(self.out, need, force=self.cfg.force_disk)
+        self._disk_estimate = need
+        return est
 
     def _result(self, state: RunState, plan: dict[str, Any], info: dict[str, Any], final_norm: Any,
                 settings: dict[str, Any], run_summary: dict[str, Any]) -> ExtractResult:
@@ -317,7 +324,8 @@ class Extractor:
             "truncated": sum(1 for e in done.values() if e.get("truncated_from")),
             "failed_reasons": reason_counts(failed.values()), "dropped_reasons": reason_counts(dropped.values()),
             "bad_rows": plan.get("bad_rows", 0), "bad_row_kinds": plan.get("bad_row_kinds", {}),
-            "bad_rows_file": str(bad_rows_file), "bad_row_examples": bad_examples[:5], **run_summary,
+            "bad_rows_file": str(bad_rows_file), "bad_row_examples": bad_examples[:5],
+            "disk_estimate_bytes": self._disk_estimate, "token_ratio": self._token_ratio, **run_summary,
         }
         if state.fatal is not None:
             summary.update(status="error", message=f"stopped: {state.fatal} (rerun the same command to resume)")
@@ -371,6 +379,33 @@ class Extractor:
                     + ", ".join(f"{k}={other.get(k)!r} vs {info.get(k)!r}" for k in diffs)
                 )
         return infos or {client.servers[0]: info}
+
+
+async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samples,
+                      settings: dict[str, Any]) -> float | None:
+    """Real / estimated tokens over up to COUNT_SAMPLE of `keys`, counted by the servers'
+    tokenizer (`POST /tokenize`, no prefill); None when they cannot count (an older server)."""
+    pick = keys if len(keys) <= planning.COUNT_SAMPLE else random.Random(0).sample(keys, planning.COUNT_SAMPLE)
+    max_len, trunc = settings["max_length"], settings["truncation"]
+
+    async def one(key: str) -> tuple[int, int] | None:
+        body = dict(samples.by_key[key].request)
+        if max_len:
+            body.update(max_length=max_len, truncation=trunc if trunc != "error" else "right")
+        try:
+            real = int((await client.count_tokens(body))["num_tokens"])
+        except HsxError as exc:
+            if exc.status == 404:
+                raise
+            return None  # a bad row: the run will say so
+        return real, planning.estimate_tokens(samples.by_key[key].request, max_len, None)
+
+    try:
+        counts = [c for c in await asyncio.gather(*(one(k) for k in pick)) if c is not None]
+    except HsxError:
+        return None
+    est = sum(e for _, e in counts)
+    return sum(r for r, _ in counts) / est if est else None
 
 
 def preflight(fmt: Any, settings: dict[str, Any], info: dict[str, Any], infos: dict[str, dict[str, Any]]) -> None:

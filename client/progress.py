@@ -175,7 +175,7 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     for url, st in (s.get("servers") or {}).items():
         lines.append(
-            f"  {url}: ok {st.get('ok')} retries {st.get('retries')} errors {st.get('errors')}"
+            f"  {url}: ok {st.get('ok')} refused {st.get('refused', 0)} retries {st.get('retries')} errors {st.get('errors')}"
             f" {'healthy' if st.get('healthy') else 'UNHEALTHY: ' + str(st.get('last_error'))}"
         )
     if s.get("truncated"):

@@ -32,6 +32,7 @@ class ServerState:
     capacity: int
     in_flight: int = 0
     ok: int = 0
+    refused: int = 0  # 4xx answers about the request itself (bad input, a row dropped by policy)
     retries: int = 0
     errors: int = 0
     healthy: bool = True
@@ -52,6 +53,7 @@ class ServerState:
         return {
             "in_flight": self.in_flight,
             "ok": self.ok,
+            "refused": self.refused,
             "retries": self.retries,
             "errors": self.errors,
             "healthy": self.healthy,
@@ -194,6 +196,8 @@ class ServerSet:
         s.in_flight -= 1
         if error is None:
             s.ok += 1
+        elif error.status is not None and 400 <= error.status < 500 and not error.retryable:
+            s.refused += 1  # the server did its job; the request was refused (not a server error)
         else:
             s.errors += 1
             s.last_error = str(error)

@@ -26,7 +26,7 @@ from hsx_service.guard import GuardMiddleware
 from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import Metrics
 from hsx_service.norm import FinalNorm
-from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus
+from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenCount
 from hsx_service.response import accepts_zstd
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
@@ -150,6 +150,22 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
             {"eps": repr(norm.eps), "style": norm.style, "tensor": norm.tensor_name},
         )
         return Response(header + data, media_type=MEDIA_TYPE)
+
+    @app.post(
+        "/tokenize",
+        summary="Tokenize (and truncate) one /hidden_states body without the prefill: its token counts",
+        response_model=TokenCount,
+        responses={**ERRORS, 400: {"model": ErrorResponse, "description": "bad input"},
+                   413: {"model": ErrorResponse, "description": "body or token count over the limit"},
+                   422: {"model": ErrorResponse, "description": "invalid body, or no supervised token"}},
+    )
+    async def tokenize(body: HiddenStatesRequest, request: Request):
+        # What a client's disk estimate needs (hsx extract counts a sample of its rows with
+        # the served tokenizer); no admission of tokens, no engine work.
+        prep = await _serving(request).service.prepare(body)
+        mask = prep.encoded.loss_mask
+        return TokenCount(num_tokens=len(prep.encoded.token_ids), num_input_tokens=prep.input_tokens,
+                          num_supervised=None if mask is None else int(sum(mask)))
 
     @app.post(
         "/hidden_states",

@@ -1,7 +1,7 @@
 """The guard in front of every route, as plain ASGI middleware (streams untouched).
 
 Per request: a request id (echoed, or made), the API key on every path but the public
-ones, and for `POST /hidden_states` the content type, the body size and the admission
+ones, and for `POST /hidden_states` and `/tokenize` the content type, the body size and the admission
 gate's door (before the body is read). Refusals are the ServiceErrors of errors.py,
 rendered by errors.render like every other error answer.
 
@@ -25,6 +25,9 @@ from hsx_service.settings import ServiceSettings
 PROBE_PATHS = ("/health", "/ready", "/metrics")
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 PUBLIC_PATHS = PROBE_PATHS + DOC_PATHS
+# Routes that tokenize a request body: its checks and the gate's door (/tokenize costs a
+# rendering and a tokenization, as /hidden_states does before its prefill).
+WORK_PATHS = ("/hidden_states", "/tokenize")
 MAX_REQUEST_ID = 128
 
 
@@ -46,7 +49,7 @@ class GuardMiddleware:
         try:
             if self.keys and scope["path"] not in PUBLIC_PATHS:
                 self._authorize(headers)
-            if scope["path"] == "/hidden_states" and scope["method"] == "POST":
+            if scope["path"] in WORK_PATHS and scope["method"] == "POST":
                 self._check_body(headers)
                 ticket = self.gate.enter()
         except ServiceError as exc:

@@ -68,6 +68,14 @@ class HiddenStatesRequest(BaseModel):
         return self
 
 
+class TokenCount(BaseModel):
+    """POST /tokenize: what POST /hidden_states would prefill, without the prefill."""
+
+    num_tokens: int = Field(..., description="Tokens after truncation (what would be prefilled)")
+    num_input_tokens: int = Field(..., description="Tokens before truncation")
+    num_supervised: int | None = Field(None, description="Loss-mask ones after truncation (None: no mask)")
+
+
 class ErrorDetail(BaseModel):
     type: str
     message: str

@@ -119,6 +119,8 @@ class FakeServer:
             raise httpx.ConnectError("connection refused")
         if path == "/health":
             return httpx.Response(200)
+        if path == "/tokenize":  # (an older server: the disk estimate counts characters)
+            return httpx.Response(404, json={"detail": "Not Found"})
         if path == "/info":
             return httpx.Response(200, json={
                 "model": "tiny", "model_revision": "r1", "layer_ids": [1, 2, 3, 4], "num_hidden_layers": 4,

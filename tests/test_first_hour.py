@@ -509,3 +509,28 @@ def test_quiet_silences_datasets_progress_bars(tmp_path, capfd):
         assert "Saving the dataset" not in capfd.readouterr().err
     finally:
         datasets.enable_progress_bars()
+
+
+# ------------------------------------------------------------------ disk estimate (11 Also)
+def test_disk_estimate_uses_the_served_tokenizers_counts(tmp_path, data):
+    """The server tokenizes a sample of the rows (POST /tokenize, no prefill); the ratio of
+    real to estimated tokens scales the estimate (here: 2 tokens per id, say)."""
+    out = tmp_path / "out"
+
+    class Counting(InfoServer):
+        counted = 0
+
+        def __call__(self, request):
+            if request.url.path == "/tokenize":
+                self.counted += 1
+                return httpx.Response(200, json={"num_tokens": 2 * len(json.loads(request.content)["input_ids"]),
+                                                 "num_input_tokens": 0, "num_supervised": None})
+            return super().__call__(request)
+
+    srv = Counting()
+    r = run(cfg_for(data, out), FakeFormat(), srv)
+    assert r.exit_code == 0 and srv.counted == N and r.summary["token_ratio"] == 2.0, r.summary
+    tokens = sum(1 + i % 3 for i in range(N))
+    assert r.summary["disk_estimate_bytes"] == int(2 * tokens * FakeFormat().bytes_per_token(None) + 4096 * N)
+    r = run(cfg_for(data, tmp_path / "o2"), FakeFormat(), InfoServer())  # a server without /tokenize
+    assert r.exit_code == 0 and r.summary["token_ratio"] is None
