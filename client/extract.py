@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from . import store
 from .api import HsxClient
 from .errors import AuthenticationError, HsxError, RetriesExhaustedError, ServersUnreachableError
 from .plan import ConfigError
+from .preflight import check_chat_template, preflight, token_ratio, wants_final_norm
 from .progress import Progress, format_summary, reason_counts
 from .provenance import finalize
 from .run import EXIT_INTERRUPTED, RunHooks, RunLoop, RunState
@@ -208,7 +208,7 @@ class Extractor:
             if plan is None and settings["max_length"] is None:  # the servers' limit, recorded in the plan
                 settings["max_length"] = planning.servers_max_tokens(infos.values())
             preflight(fmt, settings, info, infos)
-            final_norm = await client.final_norm() if _wants_final_norm(fmt, info) else None
+            final_norm = await client.final_norm() if wants_final_norm(fmt, info) else None
 
             samples = planning.Samples.read(hooks.read_samples, inputs, settings["mask_policy"])
             check_chat_template(samples, infos)
@@ -379,80 +379,6 @@ class Extractor:
                     + ", ".join(f"{k}={other.get(k)!r} vs {info.get(k)!r}" for k in diffs)
                 )
         return infos or {client.servers[0]: info}
-
-
-async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samples,
-                      settings: dict[str, Any]) -> float | None:
-    """Real / estimated tokens over up to COUNT_SAMPLE of `keys`, counted by the servers'
-    tokenizer (`POST /tokenize`, no prefill); None when they cannot count (an older server)."""
-    pick = keys if len(keys) <= planning.COUNT_SAMPLE else random.Random(0).sample(keys, planning.COUNT_SAMPLE)
-    max_len, trunc = settings["max_length"], settings["truncation"]
-
-    async def one(key: str) -> tuple[int, int] | None:
-        body = dict(samples.by_key[key].request)
-        if max_len:
-            body.update(max_length=max_len, truncation=trunc if trunc != "error" else "right")
-        try:
-            real = int((await client.count_tokens(body))["num_tokens"])
-        except HsxError as exc:
-            if exc.status == 404:
-                raise
-            return None  # a bad row: the run will say so
-        return real, planning.estimate_tokens(samples.by_key[key].request, max_len, None)
-
-    try:
-        counts = [c for c in await asyncio.gather(*(one(k) for k in pick)) if c is not None]
-    except HsxError:
-        return None
-    est = sum(e for _, e in counts)
-    return sum(r for r, _ in counts) / est if est else None
-
-
-def preflight(fmt: Any, settings: dict[str, Any], info: dict[str, Any], infos: dict[str, dict[str, Any]]) -> None:
-    """What the servers' /info says against what the run asks, before any sample is sent:
-    each problem is one ConfigError line (exit 2) that says what to change."""
-    served = [int(x) for x in info["layer_ids"]]
-    check = getattr(fmt, "layer_problem", None)
-    if check is not None:
-        problem = check(settings["layers"], info.get("num_hidden_layers"), served)
-        if problem:
-            raise ConfigError(problem)
-    k = settings["draft_vocab_size"]
-    if k is not None:
-        vocab = info.get("vocab_size")
-        if vocab is None:
-            raise ConfigError("--draft-vocab-size needs the target vocab size, which the server does not report")
-        if not 1 <= int(k) <= int(vocab):
-            raise ConfigError(f"--draft-vocab-size {k} must be in 1..{vocab} (the served model's vocab size)")
-    limit = planning.servers_max_tokens(infos.values())
-    if settings["max_length"] and limit and settings["max_length"] > limit:
-        who = min(infos, key=lambda u: planning.servers_max_tokens([infos[u]]) or limit)
-        raise ConfigError(
-            f"--max-length {settings['max_length']} exceeds the {limit} tokens {who} takes per request "
-            "(its max_tokens_per_request): lower it, or leave it out to use the servers' limit"
-        )
-    if getattr(fmt, "needs_final_norm", False) and "final_norm" in info and info["final_norm"] is None:
-        raise ConfigError(f"{settings['format']} corpora need the final norm's weights, and the server could not "
-                          "read them from the checkpoint (GET /final_norm)")
-
-
-def _wants_final_norm(fmt: Any, info: dict[str, Any]) -> bool:
-    """speculators keeps states pre-norm: it does not need /final_norm (its absence is no error)."""
-    if getattr(fmt, "needs_final_norm", True):
-        return True
-    return info.get("final_norm") is not None
-
-
-def check_chat_template(samples: planning.Samples, infos: dict[str, dict[str, Any]]) -> None:
-    chats = sum(1 for s in samples.by_key.values() if "messages" in s.request and "chat_template" not in s.request)
-    if not chats:
-        return
-    bare = [u for u, i in infos.items() if "chat_template_sha256" in i and not i["chat_template_sha256"]]
-    if bare:
-        raise ConfigError(
-            f"{chats} planned sample(s) are chats and {', '.join(bare)} has no chat template (the model ships "
-            "none): restart hsx serve with --chat-template FILE"
-        )
 
 
 def _silence_progress_bars() -> None:
