@@ -349,8 +349,11 @@ class RunLoop:
         st = self.state
         entry: dict[str, Any] = {"index": index, "key": st.keys[index], "kind": kind, "time": time.time()}
         if isinstance(exc, HsxError):
+            message = exc.message
+            if kind == "too_large":  # the server names its API fields; say the flags
+                message += " [hsx extract: --max-length N with --truncation right or left cuts such samples]"
             entry.update(
-                status=exc.status, type=exc.type, message=exc.message, request_id=exc.request_id, server=exc.server
+                status=exc.status, type=exc.type, message=message, request_id=exc.request_id, server=exc.server
             )
         else:
             entry.update(message=f"{type(exc).__name__}: {exc}")

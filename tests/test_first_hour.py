@@ -534,3 +534,22 @@ def test_disk_estimate_uses_the_served_tokenizers_counts(tmp_path, data):
     assert r.summary["disk_estimate_bytes"] == int(2 * tokens * FakeFormat().bytes_per_token(None) + 4096 * N)
     r = run(cfg_for(data, tmp_path / "o2"), FakeFormat(), InfoServer())  # a server without /tokenize
     assert r.exit_code == 0 and r.summary["token_ratio"] is None
+
+
+def test_too_long_samples_with_truncation_error_fail_naming_the_flags(tmp_path, data):
+    out = tmp_path / "out"
+
+    class TooLong(InfoServer):
+        def __call__(self, request):
+            if request.url.path == "/hidden_states" and json.loads(request.content)["input_ids"][0] == 6:
+                self.bodies.append(json.loads(request.content))
+                return httpx.Response(413, json={"error": {"type": "too_large", "request_id": "r", "message":
+                    "700 tokens exceed max_length of 511 tokens; send truncation='right' or 'left' to cut"}})
+            return super().__call__(request)
+
+    r = run(cfg_for(data, out, truncation="error"), FakeFormat(), TooLong())
+    assert r.exit_code == 1 and r.summary["failed"] == 1, r.summary
+    (reason,) = r.summary["failed_reasons"]
+    assert reason["reason"].startswith("413 too_large: N tokens exceed max_length of N tokens")
+    assert "--max-length N with --truncation right or left" in reason["reason"]
+    assert reason["example"].startswith("in.jsonl:")  # the input file:line of one such sample
