@@ -17,8 +17,10 @@ from .plan import ConfigError
 
 async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samples,
                       settings: dict[str, Any]) -> float | None:
-    """Real / estimated tokens over up to COUNT_SAMPLE of `keys`, counted by the servers'
-    tokenizer (`POST /tokenize`, no prefill); None when they cannot count (an older server)."""
+    """Stored / estimated tokens over up to COUNT_SAMPLE of `keys`, counted by the servers'
+    tokenizer (`POST /tokenize`, no prefill): a sample that truncation leaves with no
+    supervised token counts 0 (it will be dropped, not stored). None when the servers
+    cannot count (an older server)."""
     pick = keys if len(keys) <= planning.COUNT_SAMPLE else random.Random(0).sample(keys, planning.COUNT_SAMPLE)
     max_len, trunc = settings["max_length"], settings["truncation"]
 
@@ -27,12 +29,13 @@ async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samp
         if max_len:
             body.update(max_length=max_len, truncation=trunc if trunc != "error" else "right")
         try:
-            real = int((await client.count_tokens(body))["num_tokens"])
+            count = await client.count_tokens(body)
         except HsxError as exc:
             if exc.status == 404:
                 raise
             return None  # a bad row: the run will say so
-        return real, planning.estimate_tokens(samples.by_key[key].request, max_len, None)
+        stored = 0 if count.get("num_supervised") == 0 else int(count["num_tokens"])
+        return stored, planning.estimate_tokens(samples.by_key[key].request, max_len, None)
 
     try:
         counts = [c for c in await asyncio.gather(*(one(k) for k in pick)) if c is not None]
