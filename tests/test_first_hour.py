@@ -1,24 +1,22 @@
-"""Issue 10 ("first hour with hsx") and the client points of issue 11, without an engine:
-install names, the pre-flight against /info, defaults from the servers, drops and cuts,
-exit codes and reasons, one-line refusals that leave DIR as it was, fail-fast on servers
-that never answered. The same against a real server: tests/test_first_hour_e2e.py."""
+"""Issue 10 ("first hour with hsx") without an engine: install names, the README, the
+pre-flight against /info, defaults from the servers, drops and cuts, exit codes and
+reasons, noise, the disk estimate. One-line refusals and fail-fast:
+tests/test_one_line_refusals.py; the same against a real server: tests/test_first_hour_e2e.py."""
 
 from __future__ import annotations
 
-import errno
 import json
 import re
 import subprocess
 import sys
 import time
 import tomllib
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from test_extract_unit import N, FakeFormat, FakeServer, cfg_for, hooks  # noqa: F401  (the `data` fixture too)
-from test_extract_unit import data  # noqa: F401
+from _first_hour import H, L, EagleFormat, InfoServer, refused_and_untouched, run
+from test_extract_unit import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
 
 from _server import CHAT, REPO
 from hsx import wire
@@ -27,69 +25,6 @@ from hsx_client import store
 from hsx_client.inputs import read_samples
 from hsx_client.progress import Progress
 from hsx_client.verify import verify_corpus
-
-L, H = 4, 8
-
-
-def run(cfg, fmt, server):
-    return ex.run_extract(cfg, hooks(fmt), transport=httpx.MockTransport(server))
-
-
-class InfoServer(FakeServer):
-    """FakeServer with an /info of our choosing and the server's require_supervised,
-    truncation and num_input_tokens behaviour for the sample ids in `empty_mask` / `long`."""
-
-    def __init__(self, **info):
-        super().__init__()
-        self.info = {"model": "tiny", "model_revision": "r1", "layer_ids": [1, 2, 3, 4], "num_hidden_layers": 4,
-                     "hidden_size": H, "dtype": "float32", "max_model_len": 4096, "vocab_size": 100,
-                     "max_tokens_per_request": 4095, "chat_template_sha256": None, **info}
-        self.per_url: dict[str, dict] = {}
-        self.bodies: list[dict] = []
-        self.empty_mask: set[int] = set()  # first token -> all-zero mask after truncation
-        self.long: set[int] = set()  # first token -> the server says it cut 1000 tokens
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        if path == "/info":
-            return httpx.Response(200, json={**self.info, **self.per_url.get(request.url.host, {})})
-        if path == "/hidden_states":
-            body = json.loads(request.content)
-            self.bodies.append(body)
-            ids = body["input_ids"]
-            if ids[0] in self.empty_mask and body.get("require_supervised"):
-                self.requests[body["id"]] += 1
-                return httpx.Response(422, json={"error": {
-                    "type": "no_supervised_tokens", "request_id": "r",
-                    "message": "no supervised token after right truncation from 700 to 511 tokens: the loss mask is all zero"}})
-            if ids[0] in self.long:
-                self.requests[body["id"]] += 1
-                t = len(ids)
-                hs = np.zeros((t, L, H), np.float32)
-                specs = [wire.TensorSpec("hidden_states", "F32", (t, L, H)), wire.TensorSpec("token_ids", "I64", (t,))]
-                data = (wire.encode_header(specs, {"layer_ids": "[1,2,3,4]", "num_input_tokens": str(t + 1000)})
-                        + hs.tobytes() + np.asarray(ids, np.int64).tobytes())
-                return httpx.Response(200, content=data, headers={"Content-Type": wire.MEDIA_TYPE})
-        return super().__call__(request)
-
-
-class EagleFormat(FakeFormat):
-    """The fake format with the real formats' EAGLE-3 pre-flight."""
-
-    name = "speculators"
-
-    def layer_problem(self, layers, num_hidden_layers, served):
-        from hsx_client.formats.common import eagle3_layer_problem
-
-        return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
-
-
-def refused_and_untouched(r, out: Path, srv: InfoServer, words: str) -> None:
-    assert r.exit_code == 2 and r.status == "refused", r.summary
-    assert re.search(words, r.summary["message"]), r.summary["message"]
-    assert "\n" not in r.summary["message"]
-    assert not srv.bodies, "refused before any sample is sent"
-    assert not out.exists(), f"a refused new run leaves no {out} (found {list(out.iterdir())})"
 
 
 # ------------------------------------------------------------------ install names (issue 10.1, 10.9)
@@ -340,150 +275,6 @@ def test_exit_codes_are_documented_in_help():
     assert "| 130 | interrupted" in readme and "| 2 | refused before any work" in readme
 
 
-# ------------------------------------------------------------------ one-line refusals (11.6)
-def cli_run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hsx.cli", "extract", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def one_line(r: subprocess.CompletedProcess, code: int, words: str) -> None:
-    assert r.returncode == code, (r.returncode, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and re.search(words, lines[0]), r.stderr
-
-
-def test_missing_input_is_one_line(tmp_path, data):
-    from hsx_client import cli
-
-    # In-process with a fake server (the CLI's path), so the input is reached.
-    out = tmp_path / "out"
-    r = ex.run_extract(cfg_for(tmp_path / "nope.jsonl", out), ex.Hooks(
-        read_samples=read_samples, get_format=lambda n: FakeFormat(), make_context=hooks(None).make_context),
-        transport=httpx.MockTransport(InfoServer()))
-    assert r.exit_code == 2 and r.summary["message"] == f"--input: input not found: {tmp_path / 'nope.jsonl'}"
-    assert not out.exists()
-    assert cli
-
-
-def test_output_that_is_a_file_or_under_a_file_is_one_line(tmp_path, data):
-    f = tmp_path / "afile"
-    f.write_text("x")
-    for target, words in ((f, r"--output .*afile is a file, not a directory"),
-                          (f / "sub" / "dir", r"--output .*afile is a file, so nothing can be created under it")):
-        one_line(cli_run(["--server", "http://127.0.0.1:9", "--input", str(data), "--output", str(target),
-                          "--format", "speculators"]), 2, words)
-    assert f.read_text() == "x"
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """A small tmpfs (needs root, as CI runs): a read-only or a full file system for real."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    mounted = []
-
-    def mount(opts: str) -> Path:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)], capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-        mounted.append(mnt)
-        return mnt
-
-    yield mount
-    for m in mounted:
-        subprocess.run(["umount", str(m)], capture_output=True)
-
-
-def test_read_only_output_is_one_line(tmpfs, data):
-    mnt = tmpfs("ro,size=1m")
-    one_line(cli_run(["--server", "http://127.0.0.1:9", "--input", str(data), "--output", str(mnt / "corpus"),
-                      "--format", "speculators"]), 2, r"--output .*is not writable \(read-only file system")
-
-
-def test_full_disk_during_finalize_is_one_line_and_the_rerun_finishes(tmpfs, data):
-    mnt = tmpfs("size=512k")
-    out = mnt / "out"
-
-    class BigFinalize(FakeFormat):
-        fill = True
-
-        def finalize(self, out_dir, records, ctx):
-            if self.fill:  # what a table larger than the free space does
-                store.write_file_atomic(Path(out_dir) / "table.bin", b"\0" * (1 << 20))
-            return super().finalize(out_dir, records, ctx)
-
-    fmt, srv = BigFinalize(), InfoServer()
-    r = run(cfg_for(data, out, force_disk=True), fmt, srv)
-    assert r.exit_code == 1 and r.status == "error", r.summary
-    assert r.summary["message"].startswith("finalize failed: No space left on device"), r.summary["message"]
-    assert "rerun the same command to finish" in r.summary["message"]
-    assert not list(out.rglob(f"*{store.TMP_MARK}*"))  # the partial file went with the error
-    fmt.fill = False
-    srv.requests.clear()
-    r = run(cfg_for(data, out), fmt, srv)
-    assert r.exit_code == 0 and not srv.requests, r.summary  # nothing redone, only finished
-
-
-def test_injected_enospc_while_storing_stops_resumable_in_one_line(tmp_path, data, monkeypatch):
-    out = tmp_path / "out"
-    real = store._write_fsync
-    calls = {"n": 0}
-
-    def full(path, data_):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, data_)
-
-    monkeypatch.setattr(store, "_write_fsync", full)
-    r = run(cfg_for(data, out, concurrency_per_server=1), FakeFormat(), InfoServer())
-    assert r.exit_code == 1 and "No space left on device" in r.summary["message"], r.summary
-    monkeypatch.setattr(store, "_write_fsync", real)
-    r = run(cfg_for(data, out), FakeFormat(), InfoServer())
-    assert r.exit_code == 0 and r.summary["done"] == N
-
-
-def test_a_non_utf8_byte_costs_its_row_only(tmp_path):
-    p = tmp_path / "chats.jsonl"
-    good = json.dumps({"prompt": "hello"}).encode()
-    p.write_bytes(good + b"\n" + b'{"prompt": "caf\xe9"}\n' + good + b"\n")
-    bad: list = []
-    samples = read_samples([str(p)], bad_rows=bad)
-    assert [s.key for s in samples] == ["chats.jsonl:1", "chats.jsonl:3"]
-    assert [(b.source, b.kind) for b in bad] == [(f"{p}:2", "not_utf8")]
-
-
-def test_leftovers_of_a_killed_finalize_are_cleaned_on_the_next_start(tmp_path, data):
-    out = tmp_path / "out"
-    fmt, srv = FakeFormat(), InfoServer()
-    fmt.crash_after = 3
-    run(cfg_for(data, out), fmt, srv)
-    left = out / f".hsx_finalize{store.TMP_MARK}4242-dead"  # store.temp_dir's name for finalize's table
-    left.mkdir()
-    (left / "table.arrow").write_bytes(b"partial")
-    fmt.crash_after = None
-    assert run(cfg_for(data, out), fmt, srv).exit_code == 0
-    assert not left.exists()
-    left.mkdir()
-    verify_corpus(out, lambda n: fmt)  # verify cleans them too
-    assert not left.exists()
-
-
-# ------------------------------------------------------------------ fail fast (10.6)
-def test_a_wrong_port_fails_within_seconds_with_one_line(tmp_path, data):
-    from test_client_api import dead_url
-
-    url = dead_url()
-    t0 = time.monotonic()
-    r = cli_run(["--server", url, "--input", str(data), "--output", str(tmp_path / "out"), "--format", "speculators"])
-    took = time.monotonic() - t0
-    one_line(r, 1, rf"no server answered \({re.escape(url)}: ConnectError: .*is `hsx serve` running there")
-    assert took < 30, f"{took:.0f} s (was 132 s of silence)"
-    assert not (tmp_path / "out").exists()  # and no .lock left behind
-
-
-# ------------------------------------------------------------------ noise (10.9)
 def test_progress_counts_this_runs_work_and_never_shows_100_percent_with_nothing_done(capsys):
     import io
 
