@@ -132,7 +132,7 @@ class Extractor:
         self.loop: RunLoop | None = None
         self._stop_reason: str | None = None
         self._notes: list[str] = []  # said once the progress bar is up
-        self._token_ratio: float | None = None  # the served tokenizer's real / estimated tokens
+        self._token_ratio: Any = None  # preflight.TokenCounts: the served tokenizer's counts of a sample
         self._disk_estimate: int | None = None
 
     def request_stop(self, reason: str) -> None:
@@ -304,8 +304,10 @@ class Extractor:
         if corpus.exists():  # the corpus changes: it is no longer finished
             corpus.unlink()
             store.fsync_dir(self.out)
+        counts = self._token_ratio
         need = planning.disk_needed((samples.by_key[keys[i]].request for i in todo), fmt.bytes_per_token(ctx),
-                                    settings["max_length"], info.get("max_model_len"), self._token_ratio or 1.0)
+                                    settings["max_length"], info.get("max_model_len"),
+                                    counts.ratio if counts else 1.0, counts.kept if counts else 1.0)
         est = store.check_disk_space(self.out, need, force=self.cfg.force_disk)
         self._disk_estimate = need
         return est
@@ -325,7 +327,8 @@ class Extractor:
             "failed_reasons": reason_counts(failed.values()), "dropped_reasons": reason_counts(dropped.values()),
             "bad_rows": plan.get("bad_rows", 0), "bad_row_kinds": plan.get("bad_row_kinds", {}),
             "bad_rows_file": str(bad_rows_file), "bad_row_examples": bad_examples[:5],
-            "disk_estimate_bytes": self._disk_estimate, "token_ratio": self._token_ratio, **run_summary,
+            "disk_estimate_bytes": self._disk_estimate,
+            "token_counts": vars(self._token_ratio) if self._token_ratio else None, **run_summary,
         }
         if state.fatal is not None:
             summary.update(status="error", message=f"stopped: {state.fatal} (rerun the same command to resume)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import dataclass
 from typing import Any
 
 from . import plan as planning
@@ -15,16 +16,22 @@ from .errors import HsxError
 from .plan import ConfigError
 
 
+@dataclass
+class TokenCounts:
+    """What the servers' tokenizer says of a sample of the planned rows."""
+
+    ratio: float  # real tokens / characters-estimated tokens, both before truncation
+    kept: float  # share of the (truncated) tokens in rows that will be stored, not dropped
+
+
 async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samples,
-                      settings: dict[str, Any]) -> float | None:
-    """Stored / estimated tokens over up to COUNT_SAMPLE of `keys`, counted by the servers'
-    tokenizer (`POST /tokenize`, no prefill): a sample that truncation leaves with no
-    supervised token counts 0 (it will be dropped, not stored). None when the servers
-    cannot count (an older server)."""
+                      settings: dict[str, Any]) -> TokenCounts | None:
+    """Count up to COUNT_SAMPLE of `keys` with the servers' tokenizer (`POST /tokenize`,
+    no prefill); None when the servers cannot count (an older server)."""
     pick = keys if len(keys) <= planning.COUNT_SAMPLE else random.Random(0).sample(keys, planning.COUNT_SAMPLE)
     max_len, trunc = settings["max_length"], settings["truncation"]
 
-    async def one(key: str) -> tuple[int, int] | None:
+    async def one(key: str) -> tuple[int, int, int, int] | None:
         body = dict(samples.by_key[key].request)
         if max_len:
             body.update(max_length=max_len, truncation=trunc if trunc != "error" else "right")
@@ -34,15 +41,18 @@ async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samp
             if exc.status == 404:
                 raise
             return None  # a bad row: the run will say so
-        stored = 0 if count.get("num_supervised") == 0 else int(count["num_tokens"])
-        return stored, planning.estimate_tokens(samples.by_key[key].request, max_len, None)
+        n = int(count["num_tokens"])
+        stored = 0 if count.get("num_supervised") == 0 else n
+        return int(count["num_input_tokens"]), planning.estimate_tokens(body, None, None), n, stored
 
     try:
         counts = [c for c in await asyncio.gather(*(one(k) for k in pick)) if c is not None]
     except HsxError:
         return None
-    est = sum(e for _, e in counts)
-    return sum(r for r, _ in counts) / est if est else None
+    est, cut = sum(c[1] for c in counts), sum(c[2] for c in counts)
+    if not est or not cut:
+        return None
+    return TokenCounts(ratio=sum(c[0] for c in counts) / est, kept=sum(c[3] for c in counts) / cut)
 
 
 def preflight(fmt: Any, settings: dict[str, Any], info: dict[str, Any], infos: dict[str, dict[str, Any]]) -> None:

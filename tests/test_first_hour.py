@@ -314,17 +314,18 @@ def test_disk_estimate_uses_the_served_tokenizers_counts(tmp_path, data):
         def __call__(self, request):
             if request.url.path == "/tokenize":
                 self.counted += 1
-                return httpx.Response(200, json={"num_tokens": 2 * len(json.loads(request.content)["input_ids"]),
-                                                 "num_input_tokens": 0, "num_supervised": None})
+                n = 2 * len(json.loads(request.content)["input_ids"])
+                return httpx.Response(200, json={"num_tokens": n, "num_input_tokens": n, "num_supervised": None})
             return super().__call__(request)
 
     srv = Counting()
     r = run(cfg_for(data, out), FakeFormat(), srv)
-    assert r.exit_code == 0 and srv.counted == N and r.summary["token_ratio"] == 2.0, r.summary
+    assert r.exit_code == 0 and srv.counted == N, r.summary
+    assert r.summary["token_counts"] == {"ratio": 2.0, "kept": 1.0}
     tokens = sum(1 + i % 3 for i in range(N))
     assert r.summary["disk_estimate_bytes"] == int(2 * tokens * FakeFormat().bytes_per_token(None) + 4096 * N)
     r = run(cfg_for(data, tmp_path / "o2"), FakeFormat(), InfoServer())  # a server without /tokenize
-    assert r.exit_code == 0 and r.summary["token_ratio"] is None
+    assert r.exit_code == 0 and r.summary["token_counts"] is None
 
 
 def test_too_long_samples_with_truncation_error_fail_naming_the_flags(tmp_path, data):
