@@ -16,7 +16,7 @@ commands:
   verify DIR                                      re-check a corpus
   demo                                            tiny CPU model + server + extract, end to end
   bench                                           benchmark against plain prefill and vLLM's file path
-  make-tiny-model DIR                             write a small random Llama with a tokenizer
+  make-tiny-model DIR [--family F]                write a small random model (llama, qwen3_moe, qwen3_next)
 
 `hsx COMMAND --help` for a command's flags.
 """

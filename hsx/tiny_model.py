@@ -1,9 +1,11 @@
-"""Make a small random-weight Llama with a real tokenizer, offline.
+"""Make a small random-weight model with a real tokenizer, offline (transformers + torch only).
 
-Used by `hsx demo`, the tests and the benchmark (which asks for a bigger one:
-16 layers x 2048 hidden). The tokenizer is a byte-level BPE trained here on a
-short built-in text, with a ChatML-style chat template that marks assistant
-turns with `{% generation %}`, so every request kind works on it.
+Families: `llama` (dense; `hsx demo`, the tests and the benchmark, which asks for a
+bigger one: 16 layers x 2048 hidden), `qwen3_moe` (a mixture of experts) and
+`qwen3_next` (a hybrid: Gated DeltaNet linear-attention layers, one full-attention
+layer in four, MoE MLPs). The tokenizer is a byte-level BPE trained here on a short
+built-in text, with a ChatML-style chat template that marks assistant turns with
+`{% generation %}`, so every request kind works on it.
 """
 
 from __future__ import annotations
@@ -68,8 +70,51 @@ def make_tokenizer(out: Path, vocab_size: int = 1024):
     return fast
 
 
-def make_tiny_llama(
+FAMILIES = ("llama", "qwen3_moe", "qwen3_next")
+
+
+def _config(family: str, tokenizer, *, num_layers: int, hidden_size: int, intermediate_size: int, num_heads: int,
+            num_kv_heads: int, vocab_size: int, max_position_embeddings: int):
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    head_dim = hidden_size // num_heads
+    if family == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaConfig(**common), LlamaForCausalLM
+    # 4 experts, 2 per token, small expert MLPs: every expert gets tokens in a short prompt.
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=intermediate_size // 2, norm_topk_prob=True)
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        return Qwen3MoeConfig(**common, **moe, head_dim=head_dim, decoder_sparse_step=1), Qwen3MoeForCausalLM
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+        # Every token goes to both of 2 experts: the hybrid runs in bf16 on vLLM's CPU backend,
+        # where a top-k choice between near-tied experts flips for a few tokens, numerics that
+        # would hide what this model is for (the GDN layers). qwen3_moe covers routing, in fp32.
+        # (vLLM's Qwen3-Next needs MoE layers; dense MLPs everywhere fail to load.)
+        moe.update(num_experts=2, num_experts_per_tok=2)
+        cfg = Qwen3NextConfig(
+            **common, **moe, head_dim=head_dim, layer_types=layer_types, decoder_sparse_step=1,
+            shared_expert_intermediate_size=intermediate_size // 2, partial_rotary_factor=0.25,
+            # 128 as in Qwen3-Next: vLLM's CPU Gated DeltaNet kernel takes no other head size.
+            linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=2, linear_num_value_heads=4,
+        )
+        return cfg, Qwen3NextForCausalLM
+    raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
+
+
+def make_tiny_model(
     out: str | os.PathLike,
+    family: str = "llama",
     *,
     num_layers: int = 6,
     hidden_size: int = 128,
@@ -81,31 +126,28 @@ def make_tiny_llama(
     dtype: str = "float32",
     seed: int = 0,
 ) -> Path:
-    """Write a random Llama (head_dim = hidden/heads must be >= 32 for vLLM CPU)."""
+    """Write a random model of `family` (head_dim = hidden/heads must be >= 32 for vLLM CPU)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(out, vocab_size=min(vocab_size, 1024))
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
+    config, model_cls = _config(
+        family, tokenizer, num_layers=num_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
-    # A non-trivial final norm, so post-norm checks mean something.
+    model = model_cls(config).to(getattr(torch, dtype))
     with torch.no_grad():
+        # A non-trivial final norm, so post-norm checks mean something.
         model.model.norm.weight.uniform_(0.5, 1.5)
+        # Random init leaves some parameters at their defaults (e.g. GDN's A_log, dt_bias),
+        # which would hide a layer that vLLM computes differently: perturb every 1-D one.
+        if family == "qwen3_next":
+            for name, p in model.named_parameters():
+                if p.dim() == 1 and "norm" not in name:
+                    p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
     cfg = json.loads((out / "config.json").read_text())
     cfg["torch_dtype"] = dtype
@@ -113,9 +155,15 @@ def make_tiny_llama(
     return out
 
 
+def make_tiny_llama(out: str | os.PathLike, **kwargs) -> Path:
+    """A random Llama; see make_tiny_model for the arguments."""
+    return make_tiny_model(out, "llama", **kwargs)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hsx make-tiny-model", description=__doc__)
     p.add_argument("out")
+    p.add_argument("--family", default="llama", choices=FAMILIES, help="dense Llama, MoE or hybrid (default llama)")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--intermediate", type=int, default=256)
@@ -125,8 +173,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a = p.parse_args(argv)
-    path = make_tiny_llama(
-        a.out, num_layers=a.layers, hidden_size=a.hidden, intermediate_size=a.intermediate,
+    path = make_tiny_model(
+        a.out, a.family, num_layers=a.layers, hidden_size=a.hidden, intermediate_size=a.intermediate,
         num_heads=a.heads, num_kv_heads=a.kv_heads, vocab_size=a.vocab, max_position_embeddings=a.max_len,
         dtype=a.dtype,
     )

@@ -20,13 +20,11 @@ from hsx_service.settings import FLAG_NAMES, ServiceSettings, env_name
 
 
 def _vllm_parser():
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:  # vLLM < 0.30 kept it in vllm.utils
-        from vllm.utils import FlexibleArgumentParser
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    parser = FlexibleArgumentParser(
+    from hsx_service.vllm_compat import flexible_parser
+
+    parser = flexible_parser()(
         prog="hsx serve",
         description="Serve a model's hidden states over HTTP (POST /hidden_states). "
         "Takes vLLM's engine flags unchanged plus the hsx flags below (each also an HSX_* variable).",

@@ -8,8 +8,9 @@ states into the KV pages of a cache-only "draft" layer. When a request finishes:
   blocks alive and queues a save carrying the arena range the API process
   reserved for it (passed in `kv_transfer_params`). Aborted requests are not
   copied; the API process is told at once so it can reuse their range.
-- worker side (TP rank 0): gathers the request's slots from the page cache, keeps
-  only the requested layers and copies them into the shared arena: on CUDA
+- worker side (TP rank 0): gathers the request's slots from the page cache (only
+  the requested layers, `hidden_cache.gather`, in the layout of the running vLLM
+  release) and copies them into the shared arena: on CUDA
   asynchronously on a side stream into the page-locked mapping, on CPU directly.
   A small thread waits for each copy and then notifies the API process over a
   ZMQ socket; `get_finished` reports the request done so its blocks are freed.
@@ -17,12 +18,21 @@ states into the KV pages of a cache-only "draft" layer. When a request finishes:
 Compared with vLLM's `ExampleHiddenStatesConnector` there is no file, lock file,
 safetensors serialization or read-back: one device-to-host copy into memory the
 HTTP layer sends from.
+
+Both model runners drive it the same way. The V1 runner (vLLM < 0.29 on CUDA, and
+the CPU build) and Model Runner V2 (CUDA from 0.29) call `get_finished` (0.32+:
+through `get_transfer_results`) once per step, `wait_for_save` every step (a no-op
+here) and, in MRV2 from 0.33, before the drafter writes this step's states. That is
+safe: a save reaches the worker at least one step after the request's last forward
+(the scheduler queues it in `request_finished`, after that step's output), and the
+copy is ordered after everything already on the compute stream.
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,12 +48,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-    extract_from_kv_cache,  # the page-layout-aware gather of the running vLLM version
-)
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
+from hsx_service import hidden_cache, vllm_compat
 from hsx_service.arena import SharedArena
 
 if TYPE_CHECKING:
@@ -51,7 +59,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# Under vLLM's logger tree: this code runs in vLLM's engine and worker processes, where
+# only that tree is configured (VLLM_LOGGING_LEVEL), not the root logger.
+logger = init_logger(f"vllm.{__name__}")
 
 PARAMS_KEY = "hsx"  # kv_transfer_params[PARAMS_KEY] = {"key", "offset", "nbytes", "layers"}
 LOG_EVERY = 256
@@ -104,6 +114,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending: dict[str, PendingSave] = {}
         # Worker side.
         self._kv_cache: torch.Tensor | None = None
+        self._block_axis = 1
         self._arena: SharedArena | None = None
         self._is_writer = True
         self._pinned: bool | None = None
@@ -130,6 +141,13 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         if not ids and len(groups) == 1:
             return 0
         raise ValueError("hsx: cannot find the hidden-states KV cache group (MLA targets are unsupported)")
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # vLLM 0.32+: a request preempted while its states are still to be copied is
+        # recomputed instead of finishing on blocks its preemption freed (the producer
+        # default, stated here because hsx must never copy from freed blocks).
+        return True
 
     def get_finished_count(self) -> int | None:
         return 1  # only TP rank 0 copies, so one notice per request
@@ -189,6 +207,16 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         if len(layers) != 1:
             raise ValueError(f"hsx: expected one cache-only hidden-states layer, found {len(layers)}")
         self._kv_cache = kv_caches[next(iter(layers))]
+        import vllm
+
+        self._block_axis = vllm_compat.hidden_states_block_axis(vllm.__version__)
+        spec = self._vllm_config.speculative_config
+        num_layers = len(getattr(spec.draft_model_config.hf_config, "eagle_aux_hidden_state_layer_ids", []))
+        hidden_cache.check_view(tuple(self._kv_cache.shape), self._block_axis, num_layers,
+                                self._vllm_config.model_config.get_hidden_size(), self._block_size)
+        logger.info("hsx connector: vLLM %s, %s, hidden-states cache view %s %s (block offsets on axis %d)",
+                    vllm.__version__, vllm_compat.model_runner_name(_caller_module()), tuple(self._kv_cache.shape),
+                    self._kv_cache.dtype, self._block_axis)
         if not self._is_writer:
             return
         self._arena = SharedArena.attach(self._arena_path, self._arena_size)
@@ -218,13 +246,8 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _gather(self, save: PendingSave) -> torch.Tensor:
         assert self._kv_cache is not None
-        blocks = torch.tensor(save.block_ids, dtype=torch.long)
-        slots = (blocks[:, None] * self._block_size + torch.arange(self._block_size)[None, :]).flatten()
-        slots = slots.to(self._kv_cache.device, non_blocking=True)
-        states = extract_from_kv_cache(self._kv_cache, slots, save.num_tokens)  # [T, L_all, H]
-        if len(save.layer_index) != states.shape[1]:
-            states = states[:, save.layer_index]
-        return states
+        slots = hidden_cache.slot_ids(save.block_ids, self._block_size, save.num_tokens)
+        return hidden_cache.gather(self._kv_cache, slots, self._block_axis, save.layer_index)  # [T, L, H]
 
     def _destination(self, save: PendingSave, like: torch.Tensor) -> torch.Tensor:
         assert self._arena is not None
@@ -307,3 +330,14 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._thread is not None:
             self._copies.put(None)
+
+
+def _caller_module() -> str:
+    """The vLLM worker module that called register_kv_caches (names the model runner)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("vllm.v1.worker"):
+            return name
+        frame = frame.f_back
+    return "?"

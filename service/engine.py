@@ -19,11 +19,12 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from packaging.version import Version
-
 from hsx.dtypes import by_name as dtype_by_name
 from hsx.layers import default_layers
+from hsx_service import vllm_compat
 from hsx_service.arena import Allocator, ArenaFull, ArenaTooSmall, Reservation, SharedArena
+from hsx_service.cpu_threads import bind_cpu_workers
+from hsx_service.engine_stats import EngineStats
 from hsx_service.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError, TooLarge
 from hsx_service.settings import ServiceSettings
 
@@ -33,37 +34,52 @@ if TYPE_CHECKING:  # vLLM is imported when the engine starts, not with this modu
 
 log = logging.getLogger("hsx.engine")
 
-MIN_VLLM = Version("0.26.0")
-MAX_VLLM_EXCLUSIVE = Version("0.34.0")
-TP_OK_FROM = Version("0.31.0")  # 0.30 leaks KV blocks with TP > 1 and this method
-
-
-def vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
-
 
 def check_vllm_version(version: str) -> None:
-    v = Version(version)
-    if not (MIN_VLLM <= Version(v.base_version) < MAX_VLLM_EXCLUSIVE):
+    if not vllm_compat.is_supported(version):
         raise StartupError(
-            f"vLLM {version} is not supported: hsx needs vLLM >= {MIN_VLLM} and < {MAX_VLLM_EXCLUSIVE} "
+            f"vLLM {version} is not supported: hsx needs vLLM {vllm_compat.supported_range()} "
             "(the extract_hidden_states method and the connector API it uses)."
         )
 
 
-def check_parallelism(version: str, tensor_parallel: int, pipeline_parallel: int) -> None:
+def check_parallelism(version: str, tensor_parallel: int, pipeline_parallel: int, data_parallel: int = 1) -> None:
     if pipeline_parallel > 1:
         raise StartupError(
             "pipeline parallel (--pipeline-parallel-size > 1) is not supported: vLLM's "
             "extract_hidden_states method does not support it. Use tensor parallel or replicas."
         )
-    if tensor_parallel > 1 and Version(Version(version).base_version) < TP_OK_FROM:
+    if tensor_parallel > 1 and not vllm_compat.supports_tp(version):
         raise StartupError(
-            f"--tensor-parallel-size {tensor_parallel} needs vLLM >= {TP_OK_FROM} with hidden-state "
-            f"extraction (vLLM {version} leaks KV blocks); use TP 1 replicas or upgrade vLLM."
+            f"--tensor-parallel-size {tensor_parallel} needs vLLM >= {vllm_compat.TENSOR_PARALLEL_FROM} with "
+            f"hidden-state extraction (vLLM {version} leaks KV blocks); use TP 1 replicas or upgrade vLLM."
         )
+    if data_parallel > 1 and not vllm_compat.supports_dp(version):
+        raise StartupError(
+            f"--data-parallel-size {data_parallel} needs vLLM >= {vllm_compat.DATA_PARALLEL_FROM} with hidden-state "
+            f"extraction (not verified on vLLM {version}); run one hsx serve per replica instead, or upgrade vLLM."
+        )
+
+
+def check_hybrid(version: str, arch: str, engine_args: Any, settings: ServiceSettings) -> None:
+    """Hybrid (Mamba / linear-attention) models: only where their states were verified."""
+    backend = vllm_compat.backend()
+    if not vllm_compat.hybrid_verified(version, backend, arch):
+        if not settings.allow_unverified_hybrid:
+            raise StartupError(
+                f"{arch} is a hybrid (Mamba / linear-attention) model, and hsx has not verified its hidden states on "
+                f"vLLM {version} ({backend}): vLLM has returned all-zero states for hybrids without an error. "
+                "See docs/compatibility.md; --allow-unverified-hybrid serves it anyway."
+            )
+        log.warning("serving unverified hybrid %s on vLLM %s (%s): compare its states with transformers",
+                    arch, version, backend)
+    if backend == "cpu":
+        # vLLM's CPU build has no Triton, which hybrid prefix caching (mamba_cache_mode "align") needs.
+        if engine_args.enable_prefix_caching:
+            raise StartupError(f"{arch} on vLLM's CPU backend cannot use --enable-prefix-caching (it needs Triton)")
+        if engine_args.enable_prefix_caching is None:
+            log.info("%s on the CPU backend: prefix caching off (vLLM's hybrid prefix caching needs Triton)", arch)
+            engine_args.enable_prefix_caching = False
 
 
 def resolve_layers(requested: list[int] | None, n: int) -> list[int]:
@@ -106,9 +122,15 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
     from vllm.model_executor.models.interfaces import supports_eagle3
     from vllm.model_executor.models.registry import ModelRegistry
 
-    version = vllm_version()
+    version = vllm_compat.installed_version()
     check_vllm_version(version)
-    check_parallelism(version, engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size)
+    check_parallelism(version, engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size,
+                      engine_args.data_parallel_size)
+    if vllm_compat.is_cpu_backend():
+        try:
+            bind_cpu_workers(engine_args.tensor_parallel_size * engine_args.data_parallel_size)
+        except ValueError as exc:
+            raise StartupError(f"tensor x data parallel ranks: {exc}") from exc
     if getattr(engine_args, "speculative_config", None):
         raise StartupError("--speculative-config cannot be combined with hsx: it sets its own (extract_hidden_states)")
     if getattr(engine_args, "kv_transfer_config", None):
@@ -132,6 +154,9 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
             "(SupportsEagle3), so its hidden states cannot be captured. Supported: Llama, Qwen2/3, "
             "Mistral, DeepSeek, GPT-OSS and others listed by vLLM."
         )
+    hybrid = vllm_compat.is_hybrid(model_cls)
+    if hybrid:
+        check_hybrid(version, arch, engine_args, settings)
     text_config = model_config.hf_text_config
     n = int(text_config.num_hidden_layers)
     layers = resolve_layers(settings.layers, n)
@@ -156,6 +181,10 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
     except Exception as exc:
         raise StartupError(f"vLLM rejected the engine settings: {exc}") from exc
     mc = vllm_config.model_config
+    if hybrid and vllm_compat.is_cpu_backend() and _dtype_name(mc.dtype) != "bfloat16":
+        raise StartupError(
+            f"{arch} on vLLM's CPU backend needs --dtype bfloat16 (its Gated DeltaNet kernel takes no other dtype)"
+        )
     served = mc.served_model_name
     facts = ModelFacts(
         model=mc.model,
@@ -237,6 +266,7 @@ class Extractor:
         self.engine_running = 0  # requests submitted to the engine and not yet finished
         self.vllm_config: VllmConfig | None = None
         self.text_config: Any = None  # the model's transformers text config
+        self.stats = EngineStats()
 
     def prepare(self) -> None:
         """Fast checks and set-up, before the port opens. Raises StartupError."""
@@ -260,7 +290,11 @@ class Extractor:
             self.facts.vllm_version, self.facts.model, self.facts.layer_ids,
             self.facts.num_hidden_layers, self.facts.hidden_size, self.facts.dtype,
         )
-        self.engine = await asyncio.to_thread(AsyncLLM.from_vllm_config, self.vllm_config, disable_log_stats=True)
+        # hsx's stat logger only (vLLM's periodic log lines stay off): it feeds hsx_kv_cache_usage.
+        self.engine = await asyncio.to_thread(
+            AsyncLLM.from_vllm_config, self.vllm_config, disable_log_stats=True,
+            stat_loggers=[self.stats.logger_factory()],
+        )
         # Workers have mapped the arena; drop its name so nothing outlives a crash.
         self.arena.unlink()
 

@@ -107,6 +107,7 @@ class Lifecycle:
         st = self.state
         try:
             await st.extractor.start()
+            st.metrics.kv_cache_usage.set_function(st.extractor.stats.kv_cache_usage)
             f = st.extractor.facts
             template = None
             if st.settings.chat_template:

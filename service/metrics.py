@@ -19,6 +19,10 @@ class Metrics:
         self.inflight = Gauge("hsx_inflight_requests", "Requests admitted and not finished", registry=r)
         self.queued_tokens = Gauge("hsx_queued_tokens", "Prompt tokens of admitted requests", registry=r)
         self.engine_running = Gauge("hsx_engine_requests", "Requests inside the vLLM engine", registry=r)
+        # Fed by vLLM's stat logger after each engine step (engine_stats.py); idle is 0.
+        self.kv_cache_usage = Gauge(
+            "hsx_kv_cache_usage", "Fraction of vLLM's KV-cache blocks in use (0..1), fullest engine", registry=r
+        )
         self.arena_used = Gauge("hsx_arena_used_bytes", "Shared-memory arena bytes held by requests", registry=r)
         self.leases = Counter(
             "hsx_leases", "Same-host leases: granted, released, expired, unsent", ["outcome"], registry=r

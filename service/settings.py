@@ -64,6 +64,11 @@ class ServiceSettings(BaseSettings):
     chat_template: str | None = Field(None, description="Jinja chat template file (default: the tokenizer's)")
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of compressed responses")
     log_level: str = Field("info", description="Log level (debug, info, warning, error)")
+    allow_unverified_hybrid: bool = Field(
+        False,
+        description="Serve a hybrid (Mamba / linear-attention) model on a vLLM release or backend where hsx has "
+        "not compared its states with transformers (docs/compatibility.md)",
+    )
 
     _split_layers = field_validator("layers", mode="before")(_int_list)
     _split_keys = field_validator("api_key", mode="before")(_str_list)

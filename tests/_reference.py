@@ -38,3 +38,32 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def per_layer_rel_err(got: torch.Tensor, ref: torch.Tensor) -> list[float]:
     return [rel_err(got[:, j], ref[:, j]) for j in range(ref.shape[1])]
+
+
+def contribution_rel_err(got: torch.Tensor, ref: torch.Tensor) -> list[float]:
+    """Relative error of each layer's own contribution (state j minus state j-1), for
+    consecutive ids: a wrong or missing layer cannot hide behind the residual stream."""
+    return [rel_err(got[:, j] - got[:, j - 1], ref[:, j] - ref[:, j - 1]) for j in range(1, ref.shape[1])]
+
+
+def check_responses(responses, prompts, model_dir, layer_ids, tol: float,
+                    contribution_tol: float | None = None) -> tuple[float, float]:
+    """Assert every /hidden_states response is 200, carries its prompt's ids and matches
+    transformers per layer (and, with contribution_tol, per layer's own contribution).
+    Returns the worst errors seen (per layer, per contribution)."""
+    from hsx.wire import decode
+
+    worst = worst_c = 0.0
+    for p, r in zip(prompts, responses, strict=True):
+        assert r.status_code == 200, r.text
+        dec = decode(r.content)
+        assert dec.token_ids.tolist() == list(p) and dec.layer_ids == list(layer_ids)
+        ref = reference_states(str(model_dir), p, layer_ids)
+        errs = per_layer_rel_err(dec.hidden_states, ref)
+        assert max(errs) < tol, f"relative error per layer {dict(zip(layer_ids, errs))}"
+        worst = max(worst, *errs)
+        if contribution_tol is not None:
+            contrib = contribution_rel_err(dec.hidden_states.float(), ref)
+            assert max(contrib) < contribution_tol, f"relative error of each layer's contribution {contrib}"
+            worst_c = max(worst_c, *contrib)
+    return worst, worst_c

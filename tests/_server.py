@@ -105,6 +105,19 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, what:
         await asyncio.sleep(POLL)
 
 
+async def engine_dead_or_gone(client, url: str, timeout: float) -> None:
+    """Poll /health until it answers 503 (the engine died) or the server has exited."""
+    import httpx
+
+    async def dead_or_gone() -> bool:
+        try:
+            return (await client.get(url + "/health")).status_code == 503
+        except httpx.HTTPError:
+            return True  # already exited
+
+    await eventually(dead_or_gone, timeout, "/health reported the dead engine")
+
+
 async def metrics_async(client, url: str, headers: dict[str, str] | None = None) -> MetricValues:
     """/metrics through the test's own httpx.AsyncClient."""
     r = await client.get(url + "/metrics", headers=headers or {})

