@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,7 @@ from typing import Any
 import httpx
 
 from hsx import __version__ as hsx_version
-from hsx import wire
+from hsx import bf16split, wire
 from hsx_client import shm
 from hsx_client.fast_http import FastTransport
 from hsx_client.servers import ServerSet, ServerState
@@ -93,13 +94,24 @@ CONNECT_TIMEOUT = 5.0
 def _zstd_decompress(data: bytes | bytearray) -> bytes:
     import zstandard
 
-    return zstandard.ZstdDecompressor().decompressobj(read_across_frames=True).decompress(data)
+    # write_size: output in 4 MiB steps (the default 128 KiB ones cost ~2x in joins)
+    return zstandard.ZstdDecompressor().decompressobj(write_size=4 << 20, read_across_frames=True).decompress(data)
 
 
 def _finish_body(raw: bytes, encoding: str) -> bytes:
+    if encoding == "bf16split":
+        return bf16split.decode_body(raw)  # checks the result's layout itself
     body = _zstd_decompress(raw) if encoding == "zstd" else raw
     wire.check_body(body)
     return body
+
+
+CODINGS = ("auto", "zstd", "bf16split", "none")
+
+
+def _accept(lease: bool, split: bool) -> str:
+    kinds = ([wire.LEASE_MEDIA_TYPE] if lease else []) + ([bf16split.MEDIA_TYPE] if split else [])
+    return ", ".join([*kinds, f"{wire.MEDIA_TYPE};q=0.5"]) if kinds else wire.MEDIA_TYPE
 
 
 def _is_local(url: str) -> bool:
@@ -127,8 +139,8 @@ class HsxClient:
         compression: str = DEFAULTS.compression,
         transfer: str = DEFAULTS.transfer,
     ) -> None:
-        if compression not in ("auto", "zstd", "none"):
-            raise ValueError(f"compression must be auto, zstd or none, not {compression!r}")
+        if compression not in CODINGS:
+            raise ValueError(f"compression must be one of {', '.join(CODINGS)}, not {compression!r}")
         if transfer not in ("auto", "http"):
             raise ValueError(f"transfer must be auto or http, not {transfer!r}")
         if isinstance(servers, str):
@@ -156,15 +168,17 @@ class HsxClient:
         self.compression = compression
         self.transfer = transfer
 
+    def _coding_for(self, url: str) -> str:
+        """identity, zstd or bf16split. Compression costs ~0.5-1 GB/s per core at each end
+        (bench/README.md), more than a loopback or same-host link is worth: `auto` asks
+        identity from local servers, and from the others bf16split (1.49x, vs zstd's
+        1.27x at a similar speed; servers of non-bf16 models answer it with zstd)."""
+        if self.compression == "auto":
+            return "identity" if _is_local(url) else "bf16split"
+        return "identity" if self.compression == "none" else self.compression
+
     def _encoding_for(self, url: str) -> str:
-        """zstd saves ~22% of the bytes but costs ~0.5-1 GB/s per core at each end
-        (measured on the H200 host), more than a loopback or same-host link is worth:
-        `auto` asks for it only from servers on other hosts."""
-        if self.compression == "none":
-            return "identity"
-        if self.compression == "auto" and _is_local(url):
-            return "identity"
-        return "zstd"
+        return "identity" if self._coding_for(url) == "identity" else "zstd"
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "HsxClient":
@@ -251,7 +265,7 @@ class HsxClient:
         its shared memory: the result then has a `lease`, to read before `release_lease`.
         That skips the HTTP body (about 4x the throughput of one client process on an
         H200, bench/README.md), at the price of the release call."""
-        payload = json.dumps({k: v for k, v in body.items() if v is not None}).encode()
+        payload = _json_body(body)
         rid0 = request_id or uuid.uuid4().hex
 
         async def attempt(server: ServerState, rid: str) -> RawResponse:
@@ -260,25 +274,31 @@ class HsxClient:
 
         return await self._pool.with_retries(attempt, rid0)
 
-    async def count_tokens(self, body: dict[str, Any]) -> dict[str, Any]:
-        """`POST /tokenize`: the tokens the server would prefill for this /hidden_states body
-        (after truncation), with the served tokenizer and template, without the prefill."""
-        payload = json.dumps({k: v for k, v in body.items() if v is not None}).encode()
+    async def tokenize(self, body: dict[str, Any], *, request_id: str | None = None) -> dict[str, Any]:
+        """`POST /tokenize` with retries: the `token_ids` (and `loss_mask`) the server would
+        prefill for this `/hidden_states` body, computed without the engine."""
+        payload = _json_body(body)
 
-        async def attempt(server: ServerState, rid: str) -> Any:
+        async def attempt(server: ServerState, rid: str) -> dict[str, Any]:
             http = self._ensure_open()
+            headers = {"Content-Type": "application/json", "X-Request-Id": rid}
             try:
-                resp = await http.post(server.url + "/tokenize", content=payload,
-                                       headers={"Content-Type": "application/json", "X-Request-Id": rid})
+                resp = await http.post(server.url + "/tokenize", content=payload, headers=headers)
             except httpx.HTTPError as exc:
                 raise self._wrap_transport_error(exc, server, rid) from exc
             server.answered = True
             if resp.status_code != 200:
                 raise error_from_response(resp.status_code, resp.content, resp.headers, server=server.url,
                                           request_id=resp.headers.get("x-request-id") or rid)
-            return resp.json()
+            try:
+                out = resp.json()
+                out["token_ids"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ServerError("/tokenize did not return token_ids", type="bad_response",
+                                  server=server.url, request_id=rid) from exc
+            return out
 
-        return await self._pool.with_retries(attempt, None)
+        return await self._pool.with_retries(attempt, request_id)
 
     async def release_lease(self, lease: Lease) -> None:
         """Give a lease's range back. Raises LeaseExpiredError when it had expired (or the
@@ -348,7 +368,7 @@ class HsxClient:
         http = self._ensure_open()
         headers = {
             "Content-Type": "application/json",
-            "Accept": f"{wire.LEASE_MEDIA_TYPE}, {wire.MEDIA_TYPE};q=0.5" if arena else wire.MEDIA_TYPE,
+            "Accept": _accept(arena is not None, self._coding_for(server.url) == "bf16split"),
             "Accept-Encoding": self._encoding_for(server.url),
             "X-Request-Id": rid,
         }
@@ -361,13 +381,16 @@ class HsxClient:
                     raise error_from_response(
                         resp.status_code, content, resp.headers, server=server.url, request_id=resp_rid
                     )
+                t_headers = time.perf_counter()
                 encoding = resp.headers.get("content-encoding", "identity").strip().lower()
                 ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
+                if ctype == bf16split.MEDIA_TYPE:  # a zstd stream of its own: not a content coding
+                    encoding = "bf16split"
                 if resp.is_stream_consumed:  # a transport that hands back read responses (MockTransport)
                     raw = resp.content
                     wire_bytes = resp.num_bytes_downloaded or len(raw)
-                    encoding = "identity"
-                elif encoding in ("zstd", "identity", ""):
+                    encoding = "bf16split" if encoding == "bf16split" else "identity"
+                elif encoding in ("zstd", "identity", "", "bf16split"):
                     chunks = [c async for c in resp.aiter_raw()]
                     raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                     wire_bytes = len(raw)
@@ -377,6 +400,8 @@ class HsxClient:
                     encoding = "identity"
         except httpx.HTTPError as exc:
             raise self._wrap_transport_error(exc, server, rid) from exc
+        t_body = time.perf_counter()
+        server.receive_s += t_body - t_headers
         lease = None
         try:
             if ctype == wire.LEASE_MEDIA_TYPE:
@@ -391,6 +416,7 @@ class HsxClient:
                 lease.states = arena.view(int(desc["offset"]), int(desc["nbytes"]))
             else:
                 body = await asyncio.to_thread(_finish_body, raw, encoding)
+                server.decode_s += time.perf_counter() - t_body
         except Exception as exc:  # zstd error or malformed safetensors
             if lease is not None:  # give the range back now rather than at its expiry
                 try:
@@ -431,3 +457,8 @@ class HsxClient:
 
 def _user_agent() -> str:
     return f"hsx-client/{hsx_version} httpx/{httpx.__version__}"
+
+
+def _json_body(body: dict[str, Any]) -> bytes:
+    """A request body as JSON, fields left at None omitted (the server's defaults apply)."""
+    return json.dumps({k: v for k, v in body.items() if v is not None}).encode()

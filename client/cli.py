@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -82,15 +83,28 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                         "supervised token is dropped")
     p.add_argument("--layers", type=_layers, metavar="2,8,13,16", help="layer ids (default: all the server serves)")
     p.add_argument("--draft-vocab-size", type=_positive, metavar="K", help="write the top-K draft vocab mapping")
+    p.add_argument("--states", choices=["all", "none"],
+                   help="none: write only speculators' token table (POST /tokenize, no engine pass) for "
+                        "online training with the hsx backend (docs/online-training.md). Default all")
+    p.add_argument("--dtype", choices=["auto", "fp8"],
+                   help="fp8: store the states as float8_e4m3fn with per-token scales, as speculators' fp8 "
+                        "backend reads them (--format speculators). Default auto: the served dtype")
     p.add_argument("--seed", type=int, help="shuffle seed (default 0)")
     p.add_argument("--shuffle", dest="shuffle", action="store_true", default=None, help="shuffle samples (default)")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", help="keep the input order")
     p.add_argument("--max-samples", type=_positive, metavar="N", help="only the first N planned samples (after shuffling)")
+    p.add_argument("--shard", metavar="I/N",
+                   help="extract slice I (0-based) of N of the global plan into DIR, for `hsx merge` (default from "
+                        "JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID, with the count from --num-shards)")
+    p.add_argument("--num-shards", type=_positive, metavar="N",
+                   help="shard count when the index comes from --shard I or the scheduler (env HSX_NUM_SHARDS; "
+                        "Slurm: SLURM_ARRAY_TASK_COUNT)")
     p.add_argument("--concurrency-per-server", type=_positive, default=env.concurrency_per_server,
                    help=f"requests in flight per server (default {DEFAULTS.concurrency_per_server})")
-    p.add_argument("--compression", choices=["auto", "zstd", "none"], default=env.compression,
-                   help="ask servers for zstd responses: auto = only servers on other hosts, where the "
-                        "bytes saved (~22%%) are worth the CPU (default auto; env HSX_COMPRESSION)")
+    p.add_argument("--compression", choices=["auto", "zstd", "bf16split", "none"], default=env.compression,
+                   help="response coding: zstd (~1.27x), bf16split (bf16 exponent planes, ~1.5x; zstd for "
+                        "other dtypes), none; auto = none from local servers, bf16split from servers on "
+                        "other hosts, where the bytes saved are worth the CPU (default auto; env HSX_COMPRESSION)")
     p.add_argument("--transfer", choices=["auto", "http"], default=env.transfer,
                    help="auto: a server on this host hands over the states in shared memory (a lease) "
                         "instead of an HTTP body, when it offers that and this process may map it; "
@@ -128,6 +142,13 @@ def extract_main(argv: list[str] | None = None) -> int:
         print("hsx extract: give at least one --server URL (or HSX_SERVER)", file=sys.stderr)
         return 2
     from .extract import ExtractConfig, format_summary, run_extract
+    from .shard import ShardError, resolve
+
+    try:
+        shard = resolve(args.shard, args.num_shards, os.environ)
+    except ShardError as exc:
+        print(f"hsx extract: {exc}", file=sys.stderr)
+        return 2
 
     cfg = ExtractConfig(
         servers=servers,
@@ -142,6 +163,8 @@ def extract_main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         shuffle=args.shuffle,
         max_samples=args.max_samples,
+        states=args.states,
+        dtype=args.dtype,
         concurrency_per_server=args.concurrency_per_server,
         compression=args.compression,
         transfer=args.transfer,
@@ -154,6 +177,7 @@ def extract_main(argv: list[str] | None = None) -> int:
         force_disk=args.force_disk,
         quiet=args.quiet,
         handle_signals=True,
+        shard=shard,
     )
     try:
         result = run_extract(cfg)

@@ -81,6 +81,8 @@ class ExtractConfig:
     seed: int | None = None
     shuffle: bool | None = None
     max_samples: int | None = None
+    states: str | None = None  # all | none (speculators' token table only)
+    dtype: str | None = None  # auto | fp8
     # The connection (defaults: hsx_client.settings).
     concurrency_per_server: int = DEFAULTS.concurrency_per_server
     compression: str = DEFAULTS.compression  # auto: zstd from remote servers only (see HsxClient)
@@ -97,6 +99,7 @@ class ExtractConfig:
     quiet: bool = False
     write_workers: int | None = None
     handle_signals: bool = False
+    shard: planning.ShardSpec | None = None  # --shard I/N: take slice I of the global plan
 
 
 @dataclass
@@ -104,7 +107,7 @@ class Hooks:
     """The format/input side, injectable for tests."""
 
     read_samples: Callable[..., list[Any]]
-    get_format: Callable[[str], Any]
+    get_format: Callable[..., Any]  # (name, **formats.format_options(settings))
     make_context: Callable[..., Any]
 
 
@@ -195,7 +198,12 @@ class Extractor:
         settings = planning.resolve_settings({k: getattr(cfg, k) for k in planning.PLAN_KEYS}, plan, out)
         if settings["format"] is None:
             raise ConfigError("--format is required (speculators or specforge)")
-        fmt = hooks.get_format(settings["format"])
+        from .formats import format_options
+
+        try:
+            fmt = hooks.get_format(settings["format"], **format_options(settings))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         inputs = cfg.inputs if cfg.inputs else (plan["inputs"] if plan else None)
         if not inputs:
             raise ConfigError("--input is required")
@@ -229,7 +237,7 @@ class Extractor:
                 _silence_progress_bars()
             disk = None
             if plan is None:  # every check passes before DIR gets its plan
-                plan = planning.new_plan(settings, inputs, samples, info)
+                plan = planning.new_plan(settings, inputs, samples, info, shard=cfg.shard)
                 self._token_ratio = await token_ratio(client, plan["keys"], samples, settings)
                 disk = self._check_disk(list(range(len(plan["keys"]))), plan["keys"], samples, settings, info,
                                         fmt, ctx)
@@ -238,7 +246,7 @@ class Extractor:
                 store.write_json_atomic(out / store.PLAN_NAME, plan)
                 new_run = True
             else:
-                planning.check_resumable(plan, inputs, samples, info, settings["layers"], out)
+                planning.check_resumable(plan, inputs, samples, info, settings["layers"], out, shard=cfg.shard)
                 new_run = False
             keys = plan["keys"]
 

@@ -11,8 +11,20 @@ What is done: the manifest (last line per index wins), minus samples whose files
 missing or have another size than recorded, minus those `hsx verify` listed in
 `verify.json` (turned into manifest "invalid" lines, then the file removed), minus all
 that fail the full check when `--verify` is given. What is to do: every planned index
-neither done nor failed for good (`pending`); a selection of the indices (one shard of
-several runs) is a filter there.
+neither done nor failed for good (`pending`).
+
+Shards (`hsx extract --shard I/N`; hsx_client.shard says where I and N come from): every
+node plans the same global sample list as above, then keeps shard I of it, the contiguous
+slice `[I*n//N, (I+1)*n//N)`. Contiguous slices keep the global order when `hsx merge`
+concatenates the shards (a merged corpus is then row for row what one client would have
+written), and sizes differ by at most one sample. A shard's plan.json also holds
+
+    "shard": {"index", "count", "start", "stop", "global_samples",
+              "global_keys_sha256", "global_fingerprint"}
+
+`global_keys_sha256` hashes the whole global key list; `global_fingerprint` hashes it with
+the settings, the inputs' fingerprint and the model. `hsx merge` proves with them that the
+shards come from one plan and cover it exactly once.
 
 `--max-length` left out on a new dir: the smallest `max_tokens_per_request` of the
 servers (what they would accept at all), recorded in the plan like a given value; rows
@@ -60,6 +72,8 @@ SETTING_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "shuffle": True,
     "max_samples": None,
+    "states": "all",  # none: the token table only (online training; formats/speculators_variants.py)
+    "dtype": "auto",  # fp8: states stored as fp8 with per-token scales
 }
 PLAN_KEYS = tuple(SETTING_DEFAULTS)
 # Failures the next run retries by itself (the others only with --retry-failed).
@@ -69,6 +83,25 @@ DROPPED = "dropped"  # not stored by policy (no supervised token): not a failure
 
 class ConfigError(Exception):
     """The run cannot start as asked (exit 2)."""
+
+
+class ShardError(ConfigError):
+    """The shard cannot be chosen or does not fit the plan (exit 2)."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ShardError(f"the shard count must be at least 1, got {self.count}")
+        if not 0 <= self.index < self.count:
+            raise ShardError(f"shard index {self.index} is outside 0..{self.count - 1} ({self.count} shards)")
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
 
 
 # ---------------------------------------------------------------- the plan
@@ -209,13 +242,16 @@ def no_usable_rows(inputs: list[str], bad: list[dict[str, str]]) -> str:
     return f"no usable rows in {names}: {'; '.join(parts)} (first: {first['source']}: {first['reason']})"
 
 
-def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info: dict[str, Any]) -> dict[str, Any]:
+def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info: dict[str, Any],
+             shard: ShardSpec | None = None) -> dict[str, Any]:
     keys = list(samples.by_key)
     if settings["shuffle"]:
         random.Random(settings["seed"]).shuffle(keys)
     if settings["max_samples"] is not None:
         keys = keys[: settings["max_samples"]]
-    return {
+    keys, section = take_shard(keys, shard, settings=settings, inputs_sha256=samples.fingerprint,
+                               model=info.get("model"), model_revision=info.get("model_revision"))
+    plan = {
         "version": PLAN_VERSION,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": settings,
@@ -228,10 +264,13 @@ def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info
         "model_revision": info.get("model_revision"),
         "keys": keys,
     }
+    if section:
+        plan["shard"] = section
+    return plan
 
 
 def check_resumable(plan: dict[str, Any], inputs: list[str], samples: Samples, info: dict[str, Any],
-                    layers: list[int], out: Path) -> None:
+                    layers: list[int], out: Path, shard: ShardSpec | None = None) -> None:
     problems = []
     if plan.get("inputs_sha256") != samples.fingerprint:
         problems.append(
@@ -243,8 +282,64 @@ def check_resumable(plan: dict[str, Any], inputs: list[str], samples: Samples, i
             problems.append(f"{k}: the plan has {plan.get(k)!r}, the server has {info.get(k)!r}")
     if plan["settings"].get("layers") != layers:
         problems.append(f"layers: the plan has {plan['settings'].get('layers')}, now {layers}")
+    problems += shard_resume_problems(plan, shard)
     if problems:
         raise ConfigError(f"cannot resume {out}:\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------- shards
+def keys_digest(keys: list[str]) -> str:
+    h = hashlib.sha256()
+    for k in keys:
+        h.update(k.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def global_fingerprint(keys_sha256: str, num_samples: int, settings: dict[str, Any], inputs_sha256: str,
+                       model: Any, model_revision: Any) -> str:
+    """What makes two global plans the same: the key list, the settings, the inputs, the model."""
+    doc = {"keys_sha256": keys_sha256, "num_samples": num_samples, "settings": dict(settings),
+           "inputs_sha256": inputs_sha256, "model": model, "model_revision": model_revision}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def shard_bounds(spec: ShardSpec, n: int) -> tuple[int, int]:
+    return spec.index * n // spec.count, (spec.index + 1) * n // spec.count
+
+
+def take_shard(keys: list[str], spec: ShardSpec | None, *, settings: dict[str, Any], inputs_sha256: str,
+               model: Any, model_revision: Any) -> tuple[list[str], dict[str, Any] | None]:
+    """(this shard's keys, the plan's "shard" section) from the global key list."""
+    if spec is None:
+        return keys, None
+    n = len(keys)
+    if n < spec.count:
+        raise ShardError(f"--shard {spec}: the global plan holds {n} sample(s), fewer than {spec.count} shards; "
+                         f"use at most {n} shards")
+    start, stop = shard_bounds(spec, n)
+    digest = keys_digest(keys)
+    return keys[start:stop], {
+        "index": spec.index,
+        "count": spec.count,
+        "start": start,
+        "stop": stop,
+        "global_samples": n,
+        "global_keys_sha256": digest,
+        "global_fingerprint": global_fingerprint(digest, n, settings, inputs_sha256, model, model_revision),
+    }
+
+
+def shard_resume_problems(plan: dict[str, Any], spec: ShardSpec | None) -> list[str]:
+    """Why an existing plan cannot be continued as `spec` (empty: it can)."""
+    if plan.get("merge"):
+        return ["it is a merged corpus (hsx merge) and takes no more samples; extract into a new --output"]
+    saved = plan.get("shard")
+    if spec is None or (saved and (saved["index"], saved["count"]) == (spec.index, spec.count)):
+        return []
+    if not saved:
+        return [f"shard: the plan is not sharded, this run asks for shard {spec}"]
+    return [f"shard: the plan is shard {saved['index']}/{saved['count']}, this run asks for {spec}"]
 
 
 # ---------------------------------------------------------------- what is done

@@ -32,22 +32,23 @@ async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samp
     max_len, trunc = settings["max_length"], settings["truncation"]
 
     async def one(key: str) -> tuple[int, int, int, int] | None:
-        body = dict(samples.by_key[key].request)
+        body = dict(samples.by_key[key].request, id=key)
         if max_len:
             body.update(max_length=max_len, truncation=trunc if trunc != "error" else "right")
         try:
-            count = await client.count_tokens(body)
+            answer = await client.tokenize(body)
         except HsxError as exc:
             if exc.status == 404:
                 raise
             return None  # a bad row: the run will say so
-        n = int(count["num_tokens"])
-        stored = 0 if count.get("num_supervised") == 0 else n
-        return int(count["num_input_tokens"]), planning.estimate_tokens(body, None, None), n, stored
+        n, mask = len(answer["token_ids"]), answer.get("loss_mask")
+        stored = 0 if mask is not None and not any(mask) else n
+        before = int(answer.get("num_input_tokens") or n)
+        return before, planning.estimate_tokens(body, None, None), n, stored
 
     try:
         counts = [c for c in await asyncio.gather(*(one(k) for k in pick)) if c is not None]
-    except HsxError:
+    except Exception:  # noqa: BLE001  (an estimate is best effort: never a reason to stop a run)
         return None
     est, cut = sum(c[1] for c in counts), sum(c[2] for c in counts)
     if not est or not cut:

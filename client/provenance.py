@@ -19,7 +19,7 @@ from . import store
 from .plan import split_dropped
 
 
-def _files_digest(out: Path, rels: list[str]) -> dict[str, dict[str, Any]]:
+def files_digest(out: Path, rels: list[str]) -> dict[str, dict[str, Any]]:
     res = {}
     for rel in rels:
         size, digest = store.hash_file(Path(out) / rel)
@@ -40,6 +40,8 @@ def finalize(out: Path, fmt: Any, ctx: Any, plan: dict[str, Any], done: dict[int
         "hsx_corpus_version": 1,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "format": settings["format"],
+        "states": settings.get("states", "all"),
+        "states_dtype": settings.get("dtype", "auto"),
         "model": info.get("model"),
         "model_revision": info.get("model_revision"),
         "layer_ids": settings["layers"],
@@ -60,6 +62,7 @@ def finalize(out: Path, fmt: Any, ctx: Any, plan: dict[str, Any], done: dict[int
         "max_samples": settings["max_samples"],
         "inputs": plan.get("inputs"),
         "inputs_sha256": plan.get("inputs_sha256"),
+        "shard": plan.get("shard"),
         "versions": {
             "vllm": info.get("vllm_version"),
             "hsx_server": info.get("hsx_version"),
@@ -77,7 +80,7 @@ def finalize(out: Path, fmt: Any, ctx: Any, plan: dict[str, Any], done: dict[int
         },
         "failed_indices": sorted(failures),
         "dropped_indices": sorted(dropped),
-        "finalize_files": _files_digest(out, written),
+        "finalize_files": files_digest(out, written),
     }
     store.write_json_atomic(out / store.CORPUS_NAME, corpus)
     return corpus

@@ -99,6 +99,7 @@ class RunState:
     fatal: BaseException | None = None
     consecutive_5xx: int = 0
     lease_redos: dict[int, int] = field(default_factory=dict)
+    store_s: float = 0.0  # summed over samples: decode, encode, write, fsync (bench's profile)
 
     def request_body(self, index: int) -> dict[str, Any]:
         sample = self.by_key[self.keys[index]]
@@ -241,7 +242,9 @@ class RunLoop:
         """The response, or None: the sample failed (logged) or the run stops."""
         st = self.state
         try:
-            raw = await st.client.hidden_states_response(st.request_body(index), lease_ok=True)
+            body = st.request_body(index)
+            fetch = getattr(st.fmt, "fetch", None)  # a format may ask for less than states (POST /tokenize)
+            raw = await (fetch(st.client, body) if fetch else st.client.hidden_states_response(body, lease_ok=True))
         except asyncio.CancelledError:
             if st.stopping:
                 return None  # abandoned: not done, redone on resume
@@ -276,9 +279,11 @@ class RunLoop:
         lease = _HeldLease(st.client, raw.lease)
         try:
             # Shielded: a stop must not leave a file half-written by a cancelled await.
+            t = time.perf_counter()
             entry, written = await asyncio.shield(
                 loop.run_in_executor(self._pool, self._store, index, raw, raw.lease is None)
             )
+            st.store_s += time.perf_counter() - t
             if raw.lease is not None:
                 try:
                     await lease.release()

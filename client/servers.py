@@ -42,6 +42,8 @@ class ServerState:
     last_pick: int = 0
     wire_bytes: int = 0
     body_bytes: int = 0
+    receive_s: float = 0.0  # summed over bodies: headers in -> last byte in (bench's profile)
+    decode_s: float = 0.0  # summed: decompression and body checks
     last_error: str | None = None
     arena: shm.ArenaMap | None = None  # same-host lease mapping, once attached
     arena_note: str | None = None  # why leases are not used with this server
@@ -59,6 +61,8 @@ class ServerState:
             "healthy": self.healthy,
             "wire_bytes": self.wire_bytes,
             "body_bytes": self.body_bytes,
+            "receive_s": self.receive_s,
+            "decode_s": self.decode_s,
             "last_error": self.last_error,
             "transfer": "shm-lease" if self.arena is not None else "http",
         }

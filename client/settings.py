@@ -26,8 +26,8 @@ class ClientSettings(BaseSettings):
     concurrency_per_server: int = Field(8, ge=1, description="requests in flight per server")
     timeout: float = Field(600.0, gt=0, description="seconds per request")
     max_attempts: int = Field(10, ge=1, description="attempts per request before giving up")
-    compression: Literal["auto", "zstd", "none"] = Field(
-        "auto", description="zstd responses: auto = only from servers on other hosts"
+    compression: Literal["auto", "zstd", "bf16split", "none"] = Field(
+        "auto", description="response coding: auto = identity from local servers, bf16split from others"
     )
     transfer: Literal["auto", "http"] = Field(
         "auto", description="auto = same-host servers hand over the states in shared memory (leases)"

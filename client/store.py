@@ -37,7 +37,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 TMP_MARK = ".hsx-tmp-"
 LOCK_NAME = ".lock"
@@ -132,21 +132,54 @@ def write_files_atomic(
     for rel, data in files.items():
         final = safe_join(root, rel, reserved_ok=_reserved_ok)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_name(final)
-        try:
-            _write_fsync(tmp, data)
-            os.replace(tmp, final)
-        except BaseException:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            raise
+        _replace_via_tmp(final, lambda tmp, data=data: _write_fsync(tmp, data))
         dirs.add(final.parent)
         info[rel] = {"size": file_size(data), HASH_ALGO: file_digest(data)}
     for d in dirs:
         fsync_dir(d)
     return info
+
+
+def _replace_via_tmp(final: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` to a temporary name beside `final`, then rename it over `final`; the
+    temporary file is removed if anything fails."""
+    tmp = _tmp_name(final)
+    try:
+        write(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+class ChecksumError(StoreError):
+    pass
+
+
+def copy_file_atomic(src: Path, dst: Path, *, expected: str | None = None, chunk: int = 8 << 20) -> str:
+    """Copy `src` to `dst` atomically (temporary name, fsync, rename), hashing the bytes on
+    the way; returns their digest. With `expected`, another digest raises ChecksumError and
+    `dst` is left as it was. The caller fsyncs `dst`'s directory."""
+    h = hashlib.new(HASH_ALGO)
+
+    def write(tmp: Path) -> None:
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        with open(src, "rb", buffering=0) as fi, open(tmp, "xb", buffering=0) as fo:
+            while n := fi.readinto(buf):
+                h.update(view[:n])
+                part = view[:n]
+                while part:
+                    part = part[fo.write(part):]
+            os.fsync(fo.fileno())
+        if expected is not None and h.hexdigest() != expected:
+            raise ChecksumError(f"{src}: {HASH_ALGO} differs from the recorded one (the file is corrupted)")
+
+    _replace_via_tmp(Path(dst), write)
+    return h.hexdigest()
 
 
 def write_file_atomic(path: Path, data: FileData) -> None:
@@ -398,6 +431,14 @@ class JsonlLog:
             os.fsync(self._f.fileno())
             with self._mu:
                 self._committed = last
+
+    def extend(self, entries: Iterable[dict[str, Any]]) -> None:
+        """Append several lines with one write and one fsync; a crash keeps a prefix of them."""
+        data = memoryview(b"".join((json.dumps(e, separators=(",", ":")) + "\n").encode() for e in entries))
+        with self._io:
+            while data:
+                data = data[self._f.write(data):]
+            os.fsync(self._f.fileno())
 
     def close(self) -> None:
         if not self._f.closed:

@@ -36,7 +36,7 @@ def verify_samples(
 ) -> list[dict[str, Any]]:
     """Full check of stored samples: sizes, checksums, then `fmt.verify_sample`."""
     out = Path(out)
-    moved = _compaction_moves(out)
+    moved = compaction_moves(out)
 
     def one(item: tuple[int, dict[str, Any]]) -> dict[str, Any] | None:
         i, e = item
@@ -45,7 +45,7 @@ def verify_samples(
             problems.append(f"manifest key {e.get('key')!r} is not the plan's for index {i}")
         now = moved.get(i, i)
         if now != i and not _still_at_old_name(out, e):  # renumbered: same bytes under the new index's name
-            e = dict(e, files={_renumber(fmt, rel, i, now): m for rel, m in e.get("files", {}).items()})
+            e = dict(e, files={renumbered_path(fmt, rel, i, now): m for rel, m in e.get("files", {}).items()})
         elif now != i:  # the compaction stopped before this move: check it where it still is
             now = i
         problems += store.check_checksums(out, e)
@@ -73,7 +73,7 @@ def verify_samples(
     return bad
 
 
-def _compaction_moves(out: Path) -> dict[int, int]:
+def compaction_moves(out: Path) -> dict[int, int]:
     p = Path(out) / store.COMPACTION_JOURNAL
     if not p.exists():
         return {}
@@ -86,7 +86,7 @@ def _still_at_old_name(out: Path, entry: dict[str, Any]) -> bool:
     return bool(files) and all((out / rel).exists() for rel in files)
 
 
-def _renumber(fmt: Any, rel: str, old: int, new: int) -> str:
+def renumbered_path(fmt: Any, rel: str, old: int, new: int) -> str:
     """The path of a sample file after finalize moved sample `old` to `new`."""
     for attr in ("hs_path", "ckpt_path"):
         fn = getattr(fmt, attr, None)
@@ -111,7 +111,9 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
         assert plan is not None
         keys = plan["keys"]
         n = len(keys)
-        fmt = get_format(plan["settings"]["format"])
+        from .formats import format_options
+
+        fmt = get_format(plan["settings"]["format"], **format_options(plan["settings"]))
         entries, _, torn = store.read_jsonl(out / store.MANIFEST_NAME)
         done = store.latest_by_index(entries)
         problems: list[str] = []

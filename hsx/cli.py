@@ -1,6 +1,6 @@
 """The `hsx` command: one entry point, each subcommand lives with its side.
 
-`serve` and `bench` import vLLM; `extract` and `verify` do not, so the
+`serve` and `bench` import vLLM; `extract`, `verify` and `merge` do not, so the
 client installs and runs without it.
 """
 
@@ -14,6 +14,7 @@ commands:
   serve MODEL [vLLM engine flags] [hsx flags]   run the extraction server
   extract --server URL --input FILE --output DIR  write a training corpus
   verify DIR                                      re-check a corpus
+  merge OUT SHARD_DIR...                          one corpus from the shards of `extract --shard I/N`
   demo                                            tiny CPU model + server + extract, end to end
   bench                                           benchmark against plain prefill and vLLM's file path
   make-tiny-model DIR [--family F]                write a small random model (llama, qwen3_moe, qwen3_next)
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         from hsx_client.cli import extract_main as run
     elif command == "verify":
         from hsx_client.cli import verify_main as run
+    elif command == "merge":
+        from hsx_client.merge import main as run
     elif command == "demo":
         from hsx.demo import main as run
     elif command == "bench":

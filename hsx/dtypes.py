@@ -13,8 +13,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class DType:
-    name: str  # torch name without the prefix: bfloat16, float16, float32, int64, uint8
-    st: str  # safetensors code: BF16, F16, F32, I64, U8
+    name: str  # torch name without the prefix: bfloat16, float16, float32, int64, uint8, float8_e4m3fn
+    st: str  # safetensors code: BF16, F16, F32, I64, U8, F8_E4M3
     itemsize: int
 
 
@@ -24,6 +24,7 @@ _ALL = (
     DType("float32", "F32", 4),
     DType("int64", "I64", 8),
     DType("uint8", "U8", 1),
+    DType("float8_e4m3fn", "F8_E4M3", 1),  # fp8 corpora (`hsx extract --dtype fp8`), never served
 )
 BY_NAME = {d.name: d for d in _ALL}
 BY_ST = {d.st: d for d in _ALL}

@@ -1,4 +1,4 @@
-"""The one admission gate of POST /hidden_states.
+"""The one admission gate of POST /hidden_states (and of POST /tokenize, at the door only).
 
 A request passes it twice. At the door (the guard middleware, before its body is read):
 at most `--max-inflight` requests are past it at once, so a flood of large bodies cannot

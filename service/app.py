@@ -26,8 +26,8 @@ from hsx_service.guard import GuardMiddleware
 from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import Metrics
 from hsx_service.norm import FinalNorm
-from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenCount
-from hsx_service.response import accepts_zstd
+from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
+from hsx_service.response import choose_coding
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 
@@ -152,22 +152,6 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         return Response(header + data, media_type=MEDIA_TYPE)
 
     @app.post(
-        "/tokenize",
-        summary="Tokenize (and truncate) one /hidden_states body without the prefill: its token counts",
-        response_model=TokenCount,
-        responses={**ERRORS, 400: {"model": ErrorResponse, "description": "bad input"},
-                   413: {"model": ErrorResponse, "description": "body or token count over the limit"},
-                   422: {"model": ErrorResponse, "description": "invalid body, or no supervised token"}},
-    )
-    async def tokenize(body: HiddenStatesRequest, request: Request):
-        # What a client's disk estimate needs (hsx extract counts a sample of its rows with
-        # the served tokenizer); no admission of tokens, no engine work.
-        prep = await _serving(request).service.prepare(body)
-        mask = prep.encoded.loss_mask
-        return TokenCount(num_tokens=len(prep.encoded.token_ids), num_input_tokens=prep.input_tokens,
-                          num_supervised=None if mask is None else int(sum(mask)))
-
-    @app.post(
         "/hidden_states",
         summary="Prefill one input and return its hidden states as a safetensors body",
         response_class=StreamingResponse,
@@ -188,8 +172,8 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     async def hidden_states(body: HiddenStatesRequest, request: Request):
         service = _serving(request).service
         lease = service.leases is not None and LEASE_MEDIA_TYPE in request.headers.get("accept", "")
-        zstd = accepts_zstd(request.headers.get("accept-encoding"))
-        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, zstd, lease))
+        coding = choose_coding(request.headers.get("accept"), request.headers.get("accept-encoding"), service.facts.dtype)
+        work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, coding, lease))
         gone = asyncio.ensure_future(_client_gone(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -203,6 +187,20 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         reply = work.result()
         return _ReleasingStream(reply.stream, reply.close, media_type=reply.headers.pop("Content-Type"),
                                 headers=reply.headers)
+
+    @app.post(
+        "/tokenize",
+        summary="Token ids and loss mask of an input, as /hidden_states would prefill them, without the engine",
+        response_model=TokenizeResponse,
+        responses={
+            **ERRORS,
+            400: {"model": ErrorResponse, "description": "bad input"},
+            413: {"model": ErrorResponse, "description": "body or token count over the limit"},
+            415: {"model": ErrorResponse, "description": "body is not application/json"},
+        },
+    )
+    async def tokenize(body: HiddenStatesRequest, request: Request):
+        return await _serving(request).service.tokenize(body, request.state.request_id)
 
     @app.delete(
         "/leases/{lease_id}",

@@ -1,8 +1,8 @@
 """The guard in front of every route, as plain ASGI middleware (streams untouched).
 
 Per request: a request id (echoed, or made), the API key on every path but the public
-ones, and for `POST /hidden_states` and `/tokenize` the content type, the body size and the admission
-gate's door (before the body is read). Refusals are the ServiceErrors of errors.py,
+ones, and for the POST routes with a JSON body (`BODY_ROUTES`: /hidden_states, /tokenize)
+the content type, the body size and the admission gate's door (before the body is read). Refusals are the ServiceErrors of errors.py,
 rendered by errors.render like every other error answer.
 
 Public without a key: the probes (an orchestrator has no key) and the API's own
@@ -25,10 +25,8 @@ from hsx_service.settings import ServiceSettings
 PROBE_PATHS = ("/health", "/ready", "/metrics")
 DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 PUBLIC_PATHS = PROBE_PATHS + DOC_PATHS
-# Routes that tokenize a request body: its checks and the gate's door (/tokenize costs a
-# rendering and a tokenization, as /hidden_states does before its prefill).
-WORK_PATHS = ("/hidden_states", "/tokenize")
 MAX_REQUEST_ID = 128
+BODY_ROUTES = ("/hidden_states", "/tokenize")  # POST, a JSON body, through the gate's door
 
 
 class GuardMiddleware:
@@ -49,7 +47,7 @@ class GuardMiddleware:
         try:
             if self.keys and scope["path"] not in PUBLIC_PATHS:
                 self._authorize(headers)
-            if scope["path"] in WORK_PATHS and scope["method"] == "POST":
+            if scope["path"] in BODY_ROUTES and scope["method"] == "POST":
                 self._check_body(headers)
                 ticket = self.gate.enter()
         except ServiceError as exc:

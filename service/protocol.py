@@ -68,12 +68,19 @@ class HiddenStatesRequest(BaseModel):
         return self
 
 
-class TokenCount(BaseModel):
-    """POST /tokenize: what POST /hidden_states would prefill, without the prefill."""
+class TokenizeResponse(BaseModel):
+    """POST /tokenize: what /hidden_states would prefill for the same body."""
 
-    num_tokens: int = Field(..., description="Tokens after truncation (what would be prefilled)")
-    num_input_tokens: int = Field(..., description="Tokens before truncation")
-    num_supervised: int | None = Field(None, description="Loss-mask ones after truncation (None: no mask)")
+    token_ids: list[int]
+    loss_mask: list[int] | None = Field(None, description="0/1 per token, when known")
+    loss_mask_source: str = Field(..., description="request, chat_template or none")
+    layer_ids: list[int]
+    model: str
+    model_revision: str
+    chat_template_sha256: str
+    request_id: str
+    caller_id: str
+    num_input_tokens: int | None = Field(None, description="Tokens before truncation (hsx extract's disk estimate)")
 
 
 class ErrorDetail(BaseModel):

@@ -1,4 +1,5 @@
-"""The response body: a safetensors file streamed from the arena, zstd-coded when accepted.
+"""The response body: a safetensors file streamed from the arena, coded as negotiated
+(`choose_coding`: identity, zstd content coding, or the bf16split media type).
 
 The header is built here (hsx.wire), the hidden-state bytes are read straight from
 the shared arena: compressed chunk by chunk in worker threads (zstandard releases
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -39,6 +42,32 @@ def accepts_zstd(accept_encoding: str | None) -> bool:
     return False
 
 
+def accepts_media(accept: str | None, media_type: str) -> bool:
+    """RFC 9110 Accept: `media_type` named with q > 0 (no wildcard: it is an opt-in)."""
+    for part in (accept or "").split(","):
+        name, *params = (x.strip() for x in part.split(";"))
+        if name.lower() == media_type:
+            for prm in params:
+                if prm.lower().startswith("q="):
+                    try:
+                        return float(prm[2:]) > 0
+                    except ValueError:
+                        return False
+            return True
+    return False
+
+
+def choose_coding(accept: str | None, accept_encoding: str | None, dtype: str) -> str:
+    """identity | zstd | bf16split. bf16split only when asked for in Accept, the states
+    are bf16, and zstd is acceptable (its frames are zstd); else zstd when accepted."""
+    from hsx import bf16split
+
+    zstd = accepts_zstd(accept_encoding)
+    if zstd and dtype == "bfloat16" and accepts_media(accept, bf16split.MEDIA_TYPE):
+        return "bf16split"
+    return "zstd" if zstd else "identity"
+
+
 @dataclass
 class Body:
     parts: list  # bytes / memoryview, in body order
@@ -63,6 +92,24 @@ class Stats:
         self.raw = 0
         self.wire = 0
         self.complete = False  # every byte handed to the server
+        self.work_s = 0.0  # seconds of pool time spent copying / compressing this body
+
+
+_work_lock = threading.Lock()  # pieces of one body finish in parallel threads
+
+
+def timed(stats: Stats, fn):
+    """`fn` whose run time (in its pool thread) adds to `stats.work_s`."""
+
+    def run(*args):
+        t = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            with _work_lock:
+                stats.work_s += time.perf_counter() - t
+
+    return run
 
 
 def _copy_out(chunk: memoryview, last: bool) -> memoryview:
@@ -82,7 +129,7 @@ async def _pipelined(body: Body, stats: Stats, step, executor: Executor | None) 
         for i, chunk in enumerate(chunks):
             done = await pending if pending is not None else None
             stats.raw += len(chunk)
-            pending = loop.run_in_executor(executor, step, chunk, i == len(chunks) - 1)
+            pending = loop.run_in_executor(executor, timed(stats, step), chunk, i == len(chunks) - 1)
             if done:
                 stats.wire += len(done)
                 yield done
@@ -109,7 +156,8 @@ def stream_identity(body: Body, stats: Stats, executor: Executor | None = None) 
 
 def stream_zstd(body: Body, stats: Stats, level: int, executor: Executor | None) -> AsyncIterator[bytes]:
     """One zstd frame for the whole body (httpx's decoder cannot restart between frames
-    that end on a chunk boundary); many responses compress in parallel on the pool."""
+    that end on a chunk boundary); many responses compress in parallel on `executor`
+    (the server's compress pool, service/compress.py)."""
     cobj = zstandard.ZstdCompressor(level=level).compressobj(size=body.nbytes)
     return _pipelined(body, stats, functools.partial(_compress_step, cobj), executor)
 

@@ -27,6 +27,8 @@ from hsx_service.errors import BadInput, NoSupervisedTokens, ServiceError, TooLa
 from hsx_service.lease import Leases
 from hsx_service.metrics import Metrics
 from hsx_service.protocol import HiddenStatesRequest
+from hsx import bf16split
+from hsx_service.compress import CompressPool, default_threads, stream_bf16split
 from hsx_service.response import Body, Stats, stream_identity, stream_zstd
 from hsx_service.settings import ServiceSettings
 from hsx_service.tokenize import Encoded, Tokenizer
@@ -65,6 +67,8 @@ class HiddenStatesService:
         self.max_tokens = min(
             settings.max_tokens_per_request or self.facts.max_model_len - 1, self.facts.max_model_len - 1
         )
+        self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
+                                     settings.zstd_level)
         self.leases: Leases | None = None
         if settings.shm_lease:
             self.leases = Leases(settings.lease_timeout, on_end=lambda outcome: metrics.leases.labels(outcome).inc())
@@ -145,12 +149,33 @@ class HiddenStatesService:
         self._check_supervised(cut, req, len(enc.token_ids))
         return Prepared(cut, layer_ids, layer_index, len(enc.token_ids))
 
+    async def tokenize(self, req: HiddenStatesRequest, request_id: str) -> dict:
+        """POST /tokenize: the token ids and loss mask /hidden_states would prefill for
+        this body (same template, masks, truncation), without the engine: the token
+        table of an online-training corpus costs no GPU pass (`hsx extract --states none`).
+        The guard's gate door refuses it while draining, as it does /hidden_states."""
+        prep = await self.prepare(req)
+        enc, f = prep.encoded, self.facts
+        return {
+            "token_ids": enc.token_ids,
+            "loss_mask": enc.loss_mask,
+            "loss_mask_source": enc.mask_source,
+            "layer_ids": prep.layer_ids,
+            "model": f.served_model_name,
+            "model_revision": f.revision or "",
+            "chat_template_sha256": (self.tokenizer.template_sha256 or "") if req.messages and not req.chat_template else "",
+            "request_id": request_id,
+            "caller_id": req.id or "",
+            "num_input_tokens": prep.input_tokens,
+        }
+
     # ------------------------------------------------------------------- the request
-    async def run(self, req: HiddenStatesRequest, request_id: str, ticket: Ticket, zstd: bool,
+    async def run(self, req: HiddenStatesRequest, request_id: str, ticket: Ticket, coding: str,
                   lease: bool = False) -> Reply:
         """Prepare, admit (`ticket`), prefill; raises ServiceError on refusal. `lease`:
         answer with a lease on the arena range instead of the states' bytes (lease.py);
-        the range then lives until the lease is released or expires."""
+        the range then lives until the lease is released or expires. `coding`: identity,
+        zstd or bf16split (response.choose_coding)."""
         t_start = time.perf_counter()
         prep = await self.prepare(req)
         self.metrics.phase.labels("tokenize").observe(time.perf_counter() - t_start)
@@ -166,10 +191,10 @@ class HiddenStatesService:
             raise
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
-        return self._reply(req, prep, reservation, request_id, zstd, lease and self.leases is not None, started)
+        return self._reply(req, prep, reservation, request_id, coding, lease and self.leases is not None, started)
 
     def _reply(self, req: HiddenStatesRequest, prep: Prepared, reservation: Reservation, request_id: str,
-               zstd: bool, lease: bool, started: float) -> Reply:
+               coding: str, lease: bool, started: float) -> Reply:
         t_send = time.perf_counter()
         f = self.facts
         ids = prep.encoded.token_ids
@@ -214,15 +239,20 @@ class HiddenStatesService:
             self.metrics.requests.labels("ok" if stats.complete else "aborted").inc()
             self.metrics.latency.observe(time.perf_counter() - started)
             self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
+            if lease_id is None:  # pool seconds in this body's copies or compression, within send
+                self.metrics.phase.labels("encode_identity" if coding == "identity" else "compress").observe(stats.work_s)
 
         headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n), "Content-Type": MEDIA_TYPE}
         if lease_id is not None:  # a few KB: never worth compressing
             headers["Content-Type"] = LEASE_MEDIA_TYPE
             headers["Content-Length"] = str(body.nbytes)
             stream = stream_identity(body, stats)
-        elif zstd:
+        elif coding == "bf16split" and states.dtype == "BF16":  # a zstd stream of its own media type
+            headers["Content-Type"] = bf16split.MEDIA_TYPE
+            stream = stream_bf16split(specs, metadata, parts, stats, self.compress)
+        elif coding in ("zstd", "bf16split"):
             headers["Content-Encoding"] = "zstd"
-            stream = stream_zstd(body, stats, self.settings.zstd_level, None)
+            stream = stream_zstd(body, stats, self.settings.zstd_level, self.compress.executor)
         else:
             headers["Content-Length"] = str(body.nbytes)
             stream = stream_identity(body, stats)

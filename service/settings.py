@@ -63,6 +63,12 @@ class ServiceSettings(BaseSettings):
     request_timeout: float = Field(600.0, gt=0, description="Seconds one request may take in the engine")
     chat_template: str | None = Field(None, description="Jinja chat template file (default: the tokenizer's)")
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of compressed responses")
+    compress_threads: int | None = Field(
+        None, ge=1, description="Threads compressing response bodies (default: the cores less 2, at least 1)"
+    )
+    compress_inflight: int = Field(
+        64, ge=1, description="4 MiB pieces being compressed at once, all bodies together (bounds that memory)"
+    )
     log_level: str = Field("info", description="Log level (debug, info, warning, error)")
     allow_unverified_hybrid: bool = Field(
         False,

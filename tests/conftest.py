@@ -99,3 +99,20 @@ def stories_server(log_dir):
     )
     yield server.wait_ready()
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def e2e_pool(tmp_path_factory):
+    """The end-to-end servers (tests/_e2e_helpers.ServerPool: fp32 stories260K, layers
+    1,2,4,5, llama3 template), two started at once and shared by the client, shard and
+    online-training modules; a test that kills one gets a fresh one from `get`."""
+    need_vllm()
+    need_fixtures()
+    from _e2e_helpers import ServerPool
+
+    pool = ServerPool(tmp_path_factory.mktemp("e2e-server-logs"))
+    try:
+        pool.get(2)
+        yield pool
+    finally:
+        pool.stop_all()

@@ -29,6 +29,7 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
         sys.executable, "-m", "hsx.cli", "bench", "--quick",
         "--prompts", str(prompts), "--prompt-len", str(length), "--concurrency", "4", "--warmup", "2",
         "--workdir", str(tmp_path / "work"), "--out", str(out), "--transfer", "auto,http", "--rss-soak", "1",
+        "--codec", "bf16split", "--client-process",  # the remote path's coding; the client in its own tree
     ]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
@@ -58,6 +59,11 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
     http = c["by_transfer"]["http"]
     assert http["requests"] == prompts and 0.3 * http["hs_bytes"] < http["wire_bytes"] < http["body_bytes"]
     assert http["corpus"]["ok"] and http["tokens_per_s"] > 0
+    assert http["client_process"] and r["client_process"]
+    prof = http["client_profile"]
+    assert prof["receive_s"] > 0 and prof["decode_s"] > 0 and prof["store_s"] > 0
+    assert http["server_phases"]["compress"]["count"] == prompts  # bf16split bodies were coded on the pool
+    assert "(c) HTTP profile [http, bf16split], mean s per request: server" in proc.stdout
     assert c["server_lease_only"]["leased"] == prompts and c["server_http_only"]["tokens_per_s"] > 0
     assert c["soak"]["requests"] == prompts and c["soak"]["transfer"] == "lease"
     assert set(c["soak"]["points"]) == {"before", "10%", "50%", "100%"}
@@ -83,3 +89,16 @@ def test_codec_candidates_round_trip() -> None:
     assert split["ratio"] > 1.2
     assert split["ratio"] <= entropy_bound(bf16.tobytes())["ratio_limit"] * 1.02
     assert choose_codec(rows, target_MBps_per_core=0.0)["pick"] is not None
+
+
+@pytest.mark.slow  # three client processes and a server: ~8 s on a loaded 2-core box
+def test_transport_study_runs_each_client(tmp_path: Path) -> None:
+    """`hsx bench --transport-only`, tiny: every client reads every byte (no timing assertion)."""
+    out = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, "-m", "hsx.cli", "bench", "--transport-only", "--body-mb", "2",
+                           "--requests", "3", "--concurrency", "2", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["client"] for r in rows] == ["fast_http", "httpx", "aiohttp"]
+    assert all(r["bytes"] == 3 * (2 << 20) and r["cpu_s_per_gb"] > 0 for r in rows)

@@ -24,11 +24,10 @@ from pathlib import Path
 import pytest
 
 from hsx_client.verify import verify_corpus
-from conftest import need_fixtures, need_vllm
+from conftest import need_fixtures
 from _e2e_helpers import (
     LAYERS,
     CliProcess,
-    ServerPool,
     assert_each_index_once,
     assert_verify_ok,
     check_specforge_corpus,
@@ -55,17 +54,10 @@ FORMATS = {
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
-    need_vllm()
-    need_fixtures()
+def pool(e2e_pool):
     for mod, why in (("speculators", "speculators 0.9"), ("specforge", "specforge 0.2")):
         pytest.importorskip(mod, reason=f"{why} is not installed (the trainers' readers)")
-    p = ServerPool(tmp_path_factory.mktemp("e2e-server-logs"))
-    try:
-        p.get(2)  # both start in parallel; the failover test kills one, `get` starts a fresh one
-        yield p
-    finally:
-        p.stop_all()
+    return e2e_pool  # the failover test kills one, `get` starts a fresh one
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def test_one_set_of_defaults(monkeypatch):
 
 
 @pytest.mark.parametrize("name,value,words", [
-    ("HSX_COMPRESSION", "gzip", "'auto', 'zstd' or 'none'"),
+    ("HSX_COMPRESSION", "gzip", "'auto', 'zstd', 'bf16split' or 'none'"),
     ("HSX_CONCURRENCY_PER_SERVER", "0", "greater than or equal to 1"),
     ("HSX_TIMEOUT", "soon", "valid number"),
 ])

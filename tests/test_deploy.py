@@ -289,7 +289,8 @@ def render(directory: Path) -> list[dict]:
         find("Deployment", rep["name"])["spec"]["replicas"] = rep["count"]
     for image in kustomization.get("images", []):
         for d in docs:
-            for c in d.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            spec = d.get("spec", {}).get("template", {}).get("spec", {})
+            for c in spec.get("containers", []) + spec.get("initContainers", []):
                 name, _, tag = c["image"].partition(":")
                 if name == image["name"]:
                     c["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
@@ -327,8 +328,12 @@ def hsx_container(by_kind) -> dict:
 
 def config_env(by_kind) -> dict[str, str]:
     """HSX_* the container gets: the ConfigMaps it loads plus literal env values."""
-    container = hsx_container(by_kind)
     maps = {c["metadata"]["name"]: c.get("data", {}) for c in by_kind.get("ConfigMap", [])}
+    return container_env(hsx_container(by_kind), maps)
+
+
+def container_env(container: dict, maps: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The variables a container gets from its ConfigMaps (`maps`: name -> data) and literal values."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         env.update(maps[source["configMapRef"]["name"]])
@@ -530,16 +535,23 @@ def test_kubernetes_schema():
         kv.validate(deployment, version, strict=True)
 
 
-def test_kubectl_kustomize_agrees_with_the_renderer():
+def kubectl_and_ours(directory: Path) -> tuple[dict, dict]:
+    """`kubectl kustomize` and render() of one kustomization, keyed by (kind, name), the
+    generated names' hash suffix dropped; skips when kubectl is not installed."""
     kubectl = tool("kubectl")
     if kubectl is None:
         pytest.skip("kubectl not on PATH (the in-test renderer covers the checks)")
+    result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    theirs = {(d["kind"], re.sub(r"-[a-z0-9]{10}$", "", d["metadata"]["name"])): d for d in yaml.safe_load_all(result.stdout)}
+    ours = {(d["kind"], d["metadata"]["name"]): d for d in render(directory)}
+    assert theirs.keys() == ours.keys(), directory
+    return theirs, ours
+
+
+def test_kubectl_kustomize_agrees_with_the_renderer():
     for k in KUSTOMIZATIONS:
-        result = subprocess.run([kubectl, "kustomize", str(K8S / k)], capture_output=True, text=True, timeout=60)
-        assert result.returncode == 0, result.stderr
-        theirs = {(d["kind"], re.sub(r"-[a-z0-9]{10}$", "", d["metadata"]["name"])): d for d in yaml.safe_load_all(result.stdout)}
-        ours = {(d["kind"], d["metadata"]["name"]): d for d in render(K8S / k)}
-        assert theirs.keys() == ours.keys()
+        theirs, ours = kubectl_and_ours(K8S / k)
         assert theirs["ConfigMap", "hsx-config"]["data"] == ours["ConfigMap", "hsx-config"]["data"]
         td, od = theirs["Deployment", "hsx"], ours["Deployment", "hsx"]
         assert td["spec"]["replicas"] == od["spec"]["replicas"]
@@ -553,8 +565,8 @@ def test_kubectl_kustomize_agrees_with_the_renderer():
 
 
 def test_shell_scripts():
-    scripts = sorted(K8S.glob("*.sh"))
-    assert {s.name for s in scripts} >= {"servers.sh", "window.sh"}
+    scripts = sorted(K8S.rglob("*.sh")) + sorted((DEPLOY / "slurm").glob("*.s*"))
+    assert {s.name for s in scripts} >= {"servers.sh", "window.sh", "run.sh", "submit.sh", "extract.sbatch", "merge.sbatch"}
     for script in scripts:
         assert os.access(script, os.X_OK), f"{script} is not executable"
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
@@ -579,16 +591,21 @@ esac
 """
 
 
-@pytest.fixture
-def fake_kubectl(tmp_path):
+def fake_commands(tmp_path: Path, scripts: dict[str, str]) -> dict[str, str]:
+    """An environment whose PATH finds `scripts` ({command: shell text}) first."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "kubectl").write_text(FAKE_KUBECTL)
-    (bin_dir / "kubectl").chmod(0o755)
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+@pytest.fixture
+def fake_kubectl(tmp_path):
     log = tmp_path / "kubectl.log"
     log.touch()
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "KUBECTL_LOG": str(log)}
-    return env, log
+    return {**fake_commands(tmp_path, {"kubectl": FAKE_KUBECTL}), "KUBECTL_LOG": str(log)}, log
 
 
 def test_servers_sh_lists_every_ready_replica(fake_kubectl):
@@ -754,8 +771,8 @@ needs_vllm = pytest.mark.skipif(
 def deployment_args(compose) -> list[str]:
     """MODEL and flags the compose file passes, then every overlay's HSX_ENGINE_ARGS."""
     args = [interpolate(str(a)) for a in compose["services"]["hsx"]["command"]]
-    for k in KUSTOMIZATIONS:
-        data = next(d for d in render(K8S / k) if d["kind"] == "ConfigMap")["data"]
+    for k in (*KUSTOMIZATIONS, "jobs/extract"):
+        data = next(d for d in render(K8S / k) if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "hsx-config")["data"]
         args += shlex.split(data.get("HSX_ENGINE_ARGS", ""))
     return args
 

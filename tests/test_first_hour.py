@@ -315,7 +315,7 @@ def test_disk_estimate_uses_the_served_tokenizers_counts(tmp_path, data):
             if request.url.path == "/tokenize":
                 self.counted += 1
                 n = 2 * len(json.loads(request.content)["input_ids"])
-                return httpx.Response(200, json={"num_tokens": n, "num_input_tokens": n, "num_supervised": None})
+                return httpx.Response(200, json={"token_ids": [1] * n, "loss_mask": None, "num_input_tokens": n})
             return super().__call__(request)
 
     srv = Counting()

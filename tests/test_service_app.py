@@ -140,18 +140,19 @@ async def test_a_new_route_is_guarded_by_default(arena):
         assert (await c.get("/openapi.json")).json()["info"]["title"] == "hsx"
 
 
-async def test_refusals_before_the_body_are_the_error_classes(arena):
+@pytest.mark.parametrize("route", ["/hidden_states", "/tokenize"])
+async def test_refusals_before_the_body_are_the_error_classes(arena, route):
     app, st, _ = make_app(arena, api_key=[KEY], max_body_bytes=2048)
     async with client(app) as c:
-        r = await c.post("/hidden_states", content=b"x", headers={**AUTH, "X-Request-Id": "rid-1"})
+        r = await c.post(route, content=b"x", headers={**AUTH, "X-Request-Id": "rid-1"})
         assert r.status_code == 415 and r.json()["error"] == {
             "type": "unsupported_media_type", "request_id": "rid-1",
             "message": "send the request as Content-Type: application/json (got 'none')"}
         assert r.headers["x-request-id"] == "rid-1"
-        r = await c.post("/hidden_states", content=b"[" + b"1," * 2000 + b"1]",
+        r = await c.post(route, content=b"[" + b"1," * 2000 + b"1]",
                          headers={**AUTH, "Content-Type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["type"] == "too_large" and "2048" in r.text
-        r = await c.post("/hidden_states", json={"input_ids": [1, 2]}, headers={"Authorization": "Bearer nope"})
+        r = await c.post(route, json={"input_ids": [1, 2]}, headers={"Authorization": "Bearer nope"})
         assert r.status_code == 401 and "nope" not in r.text
     assert st.gate.in_flight == 0
 

@@ -219,3 +219,41 @@ async def test_stories_prefix_caching_shared_prefixes_concurrent(stories_server)
         check_against_reference(STORIES, dec, FP32_TOL)
         n = min(len(p), len(prefix))
         assert per_layer_rel_err(dec.hidden_states[:n], ref_prefix[:n])[-1] < FP32_TOL
+
+
+# --------------------------------------------------------------- the bf16split media type
+
+def test_bf16split_body_equals_identity_bit_exact(tiny_server, tiny_model):
+    from hsx import bf16split
+
+    rng = random.Random(7)
+    ids = [1] + [rng.randrange(6, 1000) for _ in range(700)]
+    plain = post(tiny_server, {"input_ids": ids}, **{"Accept-Encoding": "identity"})
+    split = post(tiny_server, {"input_ids": ids}, Accept=f"{bf16split.MEDIA_TYPE}, application/x-safetensors;q=0.5")
+    assert split.status_code == 200, split.text
+    assert split.headers["content-type"] == bf16split.MEDIA_TYPE and "content-encoding" not in split.headers
+    assert len(split.content) < len(plain.content)
+    body = bf16split.decode_body(split.content)
+    a, b = decode(plain.content), decode(body)
+    check_against_reference(tiny_model, b, BF16_TOL)
+    assert b.token_ids.tolist() == ids and b.metadata.keys() == a.metadata.keys()
+    # same prompt, nothing else in flight, prefix caching off: the engine is deterministic
+    assert torch.equal(a.hidden_states.view(torch.int16), b.hidden_states.view(torch.int16))
+
+
+async def test_bf16split_through_hsx_client(tiny_server, tiny_model):
+    from hsx_client.api import HsxClient
+
+    async with HsxClient(tiny_server.url, compression="bf16split", transfer="http") as client:
+        r = await client.hidden_states_response({"input_ids": [1, 5, 6, 7, 8] * 40})
+    assert r.wire_bytes < len(r.body)
+    check_against_reference(tiny_model, r.decode(), BF16_TOL)
+
+
+def test_bf16split_asked_of_an_fp32_model_is_zstd(stories_server):
+    from hsx import bf16split
+
+    r = post(stories_server, {"prompt": "Once upon a time"}, Accept=bf16split.MEDIA_TYPE)
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "application/x-safetensors" and r.headers["content-encoding"] == "zstd"
+    check_against_reference(STORIES, decode(r.content), FP32_TOL)

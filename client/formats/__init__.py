@@ -12,6 +12,9 @@ speculators 0.9 (`speculators train --data-path DIR --on-missing raise`)
     token_freq.pt, d2t-{K}.npy, t2d-{K}.npy    vocab mapping (client/vocab.py)
     hsx_format.json                   format facts (mask policy, counts, compaction)
 
+    Variants (`hsx extract --states none` / `--dtype fp8`, picked by `format_options` of a
+    run's settings): speculators_variants.py.
+
 SpecForge 0.2 (offline; `--hidden-states-path DIR --vocab-mapping DIR/vocab_mapping/vocab_mapping.pt`)
     rows/{i // 1000:04d}/data_{i}.ckpt  torch.save {"input_ids": int64 [T], "loss_mask": int64 [T],
                                       "aux_hidden_state": [1, T, 3H] (three aux layers concatenated
@@ -43,15 +46,28 @@ from hsx_client.formats.speculators import SpeculatorsFormat
 _FORMATS = {"speculators": SpeculatorsFormat, "specforge": SpecForgeFormat}
 
 
-def get_format(name: str) -> CorpusFormat:
-    """The writer for "speculators" or "specforge"."""
-    try:
-        return _FORMATS[name]()
-    except KeyError:
-        raise ValueError(f"unknown corpus format {name!r} (choose from {sorted(_FORMATS)})") from None
+FORMAT_OPTIONS = {"states": "all", "dtype": "auto"}  # run settings that pick a variant, and their defaults
+
+
+def format_options(settings: dict) -> dict:
+    """The variant settings of a run (a plan's, a corpus's) that differ from the defaults
+    (none: the plain format)."""
+    return {k: settings[k] for k, d in FORMAT_OPTIONS.items() if settings.get(k) not in (None, d)}
+
+
+def get_format(name: str, **options: str) -> CorpusFormat:
+    """The writer for "speculators" or "specforge"; `states="none"` / `dtype="fp8"` pick
+    speculators' token-table and fp8 variants (speculators_variants.py)."""
+    if name not in _FORMATS:
+        raise ValueError(f"unknown corpus format {name!r} (choose from {sorted(_FORMATS)})")
+    if format_options(options):
+        from hsx_client.formats.speculators_variants import variant_format
+
+        return variant_format(name, **{**FORMAT_OPTIONS, **options})
+    return _FORMATS[name]()
 
 
 __all__ = [
     "COMPACTION_JOURNAL", "FORMAT_FILE", "CorpusContext", "CorpusFormat", "CorpusFormatError", "SampleOutput",
-    "SpecForgeFormat", "SpeculatorsFormat", "get_format", "mask_to_runs", "runs_to_mask",
+    "SpecForgeFormat", "SpeculatorsFormat", "FORMAT_OPTIONS", "format_options", "get_format", "mask_to_runs", "runs_to_mask",
 ]

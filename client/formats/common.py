@@ -133,7 +133,17 @@ def check_decoded(decoded: Decoded, ctx: CorpusContext) -> tuple[torch.Tensor, n
         raise CorpusFormatError(f"response layers {decoded.layer_ids} differ from the run's {ctx.layer_ids}")
     if t == 0:
         raise CorpusFormatError("response has no tokens")
+    ids, mask, source = check_tokens(decoded, ctx, t)
+    return hs, ids, mask, source
+
+
+def check_tokens(decoded: Decoded, ctx: CorpusContext, t: int | None = None) -> tuple[np.ndarray, np.ndarray, str]:
+    """A response's token ids (in the target vocab) and 0/1 loss mask (all ones when none
+    came back), with its source; `t`: the number of states they must match."""
     ids = np.asarray(decoded.token_ids).astype(np.int64, copy=False).reshape(-1)
+    t = ids.shape[0] if t is None else t
+    if t == 0:
+        raise CorpusFormatError("response has no tokens")
     if ids.shape[0] != t:
         raise CorpusFormatError(f"{ids.shape[0]} token ids for {t} states")
     if ctx.vocab_size is None:
@@ -150,7 +160,7 @@ def check_decoded(decoded: Decoded, ctx: CorpusContext) -> tuple[torch.Tensor, n
         if mask.shape[0] != t or ((mask != 0) & (mask != 1)).any():
             raise CorpusFormatError("loss_mask must be 0/1 with one entry per token")
         source = "server"
-    return hs, ids, mask, source
+    return ids, mask, source
 
 
 def make_record(ids: np.ndarray, mask: np.ndarray, source: str, ctx: CorpusContext) -> dict:

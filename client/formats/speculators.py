@@ -27,6 +27,21 @@ if TYPE_CHECKING:
 _TABLE_BATCH = 1024  # rows per Arrow batch: 32-bit list offsets hold any 1024 rows
 
 
+def sample_file_parts(index: int, ctx: CorpusContext, tensors: list[tuple[str, str, torch.Tensor | np.ndarray]]) -> list:
+    """A sample's safetensors file as [header, buffers...] from the tensors' own bytes: one
+    copy (safetensors.torch.save made several and ran at ~0.3 GB/s on 34 MB samples).
+    `tensors`: (name, safetensors dtype code, tensor or array)."""
+    specs, bufs = [], []
+    for name, st_dtype, t in tensors:
+        specs.append(wire.TensorSpec(name, st_dtype, tuple(t.shape)))
+        if isinstance(t, torch.Tensor):
+            bufs.append(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
+        else:
+            bufs.append(np.ascontiguousarray(t).data)
+    meta = {"format": "hsx-speculators/1", "index": str(int(index)), "layer_ids": json.dumps(list(ctx.layer_ids))}
+    return [wire.encode_header(specs, meta), *bufs]
+
+
 class SpeculatorsFormat:
     """speculators 0.9: positional hs_{i}.safetensors + a `datasets` table.
 
@@ -44,6 +59,7 @@ class SpeculatorsFormat:
 
     name = "speculators"
     needs_final_norm = False  # states stay pre-norm
+    format_facts: dict = {}  # what a variant adds to hsx_format.json (speculators_variants.py)
 
     def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
         return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
@@ -58,16 +74,8 @@ class SpeculatorsFormat:
 
     def encode_sample(self, index: int, decoded: Decoded, ctx: CorpusContext) -> SampleOutput:
         hs, ids, mask, source = check_decoded(decoded, ctx)
-        # The safetensors file is laid out here from the states' own bytes: one copy
-        # (safetensors.torch.save made several and ran at ~0.3 GB/s on 34 MB samples).
-        hs = hs.contiguous()
         ids = np.ascontiguousarray(ids, dtype="<i8")
-        header = wire.encode_header(
-            [wire.TensorSpec("hidden_states", dtypes.st_code(hs.dtype), tuple(hs.shape)),
-             wire.TensorSpec("token_ids", "I64", tuple(ids.shape))],
-            {"format": "hsx-speculators/1", "index": str(int(index)), "layer_ids": json.dumps(list(ctx.layer_ids))},
-        )
-        parts = [header, hs.view(torch.uint8).reshape(-1).numpy().data, ids.data]
+        parts = sample_file_parts(index, ctx, [("hidden_states", dtypes.st_code(hs.dtype), hs), ("token_ids", "I64", ids)])
         return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx))
 
     def prepare(self) -> None:
@@ -102,7 +110,7 @@ class SpeculatorsFormat:
             elif not dst.exists():
                 raise CorpusFormatError(f"sample {old} has no file {src} (and {dst} is absent)")
         if moves:
-            store.fsync_dir(out_dir / "hidden_states")
+            store.fsync_dir((out_dir / self.hs_path(0)).parent)
         return moves
 
     def finalize(self, out_dir: Path, records: list[tuple[int, dict]], ctx: CorpusContext) -> list[str]:
@@ -138,7 +146,7 @@ class SpeculatorsFormat:
 
         extra = speculators_vocab_files(freq, ctx.draft_vocab_size, ctx.vocab_size)
         extra[FORMAT_FILE] = format_json(
-            self.name, ctx, num_samples=len(rows), num_tokens=sum(r["num_tokens"] for r in rows.values()),
+            self.name, ctx, **self.format_facts, num_samples=len(rows), num_tokens=sum(r["num_tokens"] for r in rows.values()),
             num_supervised=sum(r["num_supervised"] for r in rows.values()),
             compacted_moves=len(moves), compaction_journal=COMPACTION_JOURNAL if moves else None,
         )

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  hsx bench --quick --out quick.json\n"
         "  hsx bench --h200 --out h200.json            # one H200, vLLM 0.26\n"
         "  hsx bench --model DIR --prompts 128 --prompt-len 1024 --layers 2,16,29,32 --engine-arg=--enforce-eager\n"
-        "  hsx bench --codec-only",
+        "  hsx bench --codec-only\n  hsx bench --transport-only --body-mb 64 --requests 64 --concurrency 8",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="model directory or hub id")
@@ -80,9 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer", default="auto",
                    help="(c) client transfer, or several comma-separated, each timed on the same server "
                         "(the first is the headline): auto = shared-memory leases from this same-host "
-                        "server, http = response bodies [auto]")
+                        "server, http = response bodies coded as --codec says, http:none / http:zstd / "
+                        "http:bf16split = bodies with that coding [auto]")
     p.add_argument("--codec", default="zstd:1",
-                   help="(c) response coding: zstd:LEVEL (server --zstd-level) or none [zstd:1]")
+                   help="(c) response coding: zstd:LEVEL (server --zstd-level), bf16split (exponent planes, "
+                        "zstd-1 frames) or none [zstd:1]")
+    p.add_argument("--client-process", action="store_true",
+                   help="(c): run the client in its own process tree (own session), over TCP to the server, "
+                        "as a client on another host would be (loopback standing in for the network)")
     p.add_argument("--dtype", default="bfloat16", help="engine --dtype for every mode [bfloat16]")
     p.add_argument("--max-model-len", type=int, help="engine --max-model-len [prompt length + 16]")
     p.add_argument("--enforce-eager", action="store_true", help="engine --enforce-eager (no torch.compile/graphs)")
@@ -104,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(c): measure the codecs on this many of the corpus files (0: no)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds an engine may take to start [900]")
     p.add_argument("--codec-only", action="store_true", help="run the codec measurement only (bench/codec.py)")
+    p.add_argument("--transport-only", action="store_true",
+                   help="run the HTTP client transport study only (hsx/bench/transport.py; its own flags follow)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
@@ -115,6 +122,11 @@ def main(argv: list[str]) -> int:
         from hsx.bench.codec import main as codec_main
 
         return codec_main(argv)
+    if "--transport-only" in argv:
+        argv.remove("--transport-only")
+        from hsx.bench.transport import main as transport_main
+
+        return transport_main(argv)
     args = build_parser().parse_args(argv)
     if args.worker:
         from hsx.bench.engines import worker_main
@@ -130,20 +142,24 @@ def main(argv: list[str]) -> int:
             return 2
         args.make_model = preset["make_model"]
     args.transfers = [t.strip() for t in args.transfer.split(",") if t.strip()]
-    if not args.transfers or set(args.transfers) - {"auto", "http"}:
-        print(f"hsx bench: --transfer {args.transfer!r}: use auto, http or both comma-separated", file=sys.stderr)
+    if not args.transfers or {t.partition(":")[0] if t.startswith("http:") and t[5:] in ("none", "zstd", "bf16split")
+                              else t for t in args.transfers} - {"auto", "http"}:
+        print(f"hsx bench: --transfer {args.transfer!r}: a comma list of auto, http, http:none, http:zstd, "
+              "http:bf16split", file=sys.stderr)
         return 2
     if args.codec == "none":
         args.codec_kind, args.codec_level = "none", None
+    elif args.codec == "bf16split":
+        args.codec_kind, args.codec_level = "bf16split", 1
     elif args.codec.startswith("zstd"):
         args.codec_kind = "zstd"
         args.codec_level = int(args.codec.partition(":")[2] or 1)
     else:
-        print(f"hsx bench: --codec {args.codec!r}: use zstd:LEVEL or none", file=sys.stderr)
+        print(f"hsx bench: --codec {args.codec!r}: use zstd:LEVEL, bf16split or none", file=sys.stderr)
         return 2
     # The client asks for identity with codec none (the server then sends raw bytes),
     # otherwise for zstd, even from this local server (its `auto` would not).
-    args.compression = "none" if args.codec_kind == "none" else "zstd"
+    args.compression = {"none": "none", "bf16split": "bf16split"}.get(args.codec_kind, "zstd")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODE_NAMES for m in modes):
         print(f"hsx bench: --modes {args.modes!r}: a comma list of a, b, c", file=sys.stderr)
@@ -205,6 +221,7 @@ def _run(args: argparse.Namespace, modes: list[str], workdir: Path) -> int:
         "concurrency": args.concurrency,
         "codec": args.codec,
         "transfer": args.transfer,
+        "client_process": args.client_process,
         "engine_flags": engine_flags,
         "server_args": args.server_arg,
         "hardware": hardware(),

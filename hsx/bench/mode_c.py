@@ -89,8 +89,13 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
             log(f"(c) server+lease only (states not read): {res['server_lease_only']['tokens_per_s']:,.0f} tokens/s, "
                 f"{fired['leased']}/{len(fresh)} leased")
         for i, transfer in enumerate(args.transfers):
-            out = out_dir if i == 0 else out_dir.with_name(f"{out_dir.name}-{transfer}")
-            one = _measure_extract(ctx, args, server, inputs, out, prompts, transfer, timeout)
+            out = out_dir if i == 0 else out_dir.with_name(f"{out_dir.name}-{transfer.replace(':', '-')}")
+            before = server_phases(server)
+            if getattr(args, "client_process", False):
+                one = _measure_in_own_process(ctx, args, server, inputs, out, prompts, transfer, timeout, workdir)
+            else:
+                one = _measure_extract(ctx, args, server, inputs, out, prompts, transfer, timeout)
+            one["server_phases"] = _phase_delta(before, server_phases(server))
             res.setdefault("by_transfer", {})[transfer] = one
             if i == 0:  # the headline figures: the first transfer asked for (auto = lease when same host)
                 res.update(one)
@@ -117,6 +122,30 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
     return res
 
 
+def _measure_in_own_process(ctx: dict[str, Any], args: argparse.Namespace, server: ServerProcess, inputs: Path,
+                            out_dir: Path, prompts: list[list[int]], transfer: str, timeout: float,
+                            workdir: Path) -> dict[str, Any]:
+    """`_measure_extract` in a child of its own session (hsx/bench/client_proc.py)."""
+    import subprocess
+    import sys
+
+    name = transfer.replace(":", "-")
+    spec_path, out_path = workdir / f"client-{name}.json", workdir / f"client-{name}.result.json"
+    spec = {"ctx": ctx, "url": server.url, "server_log": str(server.log_path), "inputs": str(inputs),
+            "out_dir": str(out_dir), "prompts": prompts, "transfer": transfer, "timeout": timeout,
+            "args": {k: getattr(args, k) for k in ("concurrency", "compression", "codec")}}
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    log(f"(c) client in its own process tree (transfer {transfer})")
+    rc = subprocess.run([sys.executable, "-m", "hsx.bench.client_proc", str(spec_path), str(out_path)],
+                        env=child_env(), start_new_session=True).returncode
+    if rc != 0 or not out_path.exists():
+        raise RuntimeError(f"(c) the client process ended {rc}\n{server.log_tail()}")
+    res = json.loads(out_path.read_text())
+    res["client_process"] = True
+    return res
+
+
 def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: ServerProcess, inputs: Path,
                      out_dir: Path, prompts: list[list[int]], transfer: str, timeout: float) -> dict[str, Any]:
     """One timed `hsx extract` run loop (speculators corpus) against the running server:
@@ -127,6 +156,9 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     res: dict[str, Any] = {"transfer": transfer}
+    transfer, _, coding = transfer.partition(":")  # http:bf16split: this run's coding
+    compression = coding or args.compression
+    res["compression"] = compression
     hwm_reset = reset_own_hwm()
     timings: dict[str, Any] = {}
     total = len(prompts)
@@ -144,14 +176,15 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     def on_end(run) -> None:
         timings["t1"] = time.monotonic()
         timings["stats"] = run.client.stats()
+        timings["store_s"] = run.store_s
 
     cfg = ExtractConfig(
         servers=[server.url], output=out_dir, inputs=[str(inputs)], format="speculators",
         concurrency_per_server=args.concurrency, quiet=True, timeout=max(600.0, timeout),
-        compression=args.compression, transfer=transfer,
+        compression=compression, transfer=transfer,
     )
     log(f"(c) measuring {total} prompts x {ctx['prompt_len']} tokens, concurrency {args.concurrency}, "
-        f"transfer {transfer}, codec {args.codec} -> {out_dir}")
+        f"transfer {transfer}, coding {compression} -> {out_dir}")
     t_run = time.monotonic()
     result = run_extract(cfg, run_hooks=RunHooks(on_start=on_start, on_stored=on_stored, on_end=on_end))
     res["run_s"] = time.monotonic() - t_run
@@ -169,11 +202,27 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
         hs_bytes=tokens * len(ctx["layers"]) * ctx["hidden"] * ctx["itemsize"],
         client_retries=stats["retries"], client_errors=stats["errors"],
     )
+    n = max(1, int(summ["done"]))
+    res["client_profile"] = {  # mean seconds per sample, summed over concurrent requests
+        "receive_s": stats.get("receive_s", 0.0) / n, "decode_s": stats.get("decode_s", 0.0) / n,
+        "store_s": timings.get("store_s", 0.0) / n, "concurrency": args.concurrency,
+    }
     res["client_memory"] = {**own_memory(), "hwm_reset_before_run": hwm_reset}
     res["corpus"] = check_corpus(out_dir, prompts, ctx)
     log(f"(c) [{transfer}] {res['tokens_per_s']:,.0f} tokens/s; finalize {res['finalize_s'] or 0:.1f}s; corpus "
         f"{res['corpus'].get('rows')} rows, {fmt_bytes(res['corpus'].get('disk_bytes'))} on disk")
     return res
+
+
+def _phase_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The phases of the requests between two readings (one timed run)."""
+    out = {}
+    for p, a in after.items():
+        b = before.get(p, {"count": 0, "total_s": 0.0})
+        n, s = a["count"] - b["count"], a["total_s"] - b["total_s"]
+        if n > 0:
+            out[p] = {"mean_s": s / n, "count": n, "total_s": s}
+    return out
 
 
 def server_phases(server: ServerProcess) -> dict[str, dict[str, float]]:

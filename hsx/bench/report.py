@@ -63,6 +63,10 @@ def format_table(result: dict[str, Any]) -> str:
         for t, one in (c.get("by_transfer") or {}).items():
             lines.append(f"(c) transfer {t}: {rate(one)}, wire {fmt_bytes(one['wire_bytes'])}, client peak RSS "
                          f"{fmt_bytes((one.get('client_memory') or {}).get('peak_rss'))}")
+        for t, one in (c.get("by_transfer") or {}).items():
+            prof = _http_profile(t, one) if t.startswith("http") else None
+            if prof:
+                lines.append(prof)
         if c.get("server_http_only"):
             lines.append(f"(c) profile: server + HTTP + decompression alone (bodies dropped) {rate(c['server_http_only'])}")
         if c.get("server_lease_only"):
@@ -82,3 +86,24 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append("ratios: " + ", ".join(parts))
     return "\n".join(lines)
 
+
+
+def _http_profile(transfer: str, one: dict[str, Any]) -> str | None:
+    """The HTTP path per phase, mean seconds per request: where the next bottleneck is.
+    Server: engine (queue + prefill), copy (into the arena), compress (pool time in the
+    body's coding), send (reply start to last byte handed over; minus compress = waiting
+    on the wire and the client). Client: receive (headers to last byte), decode
+    (decompress + checks), store (encode, write, fsync, manifest)."""
+    sp, cp = one.get("server_phases") or {}, one.get("client_profile")
+    if not sp and not cp:
+        return None
+    parts = [f"{k} {sp[k]['mean_s']:.3f}" for k in ("tokenize", "engine", "copy", "compress", "encode_identity", "send")
+             if k in sp]
+    if "send" in sp:
+        work = (sp.get("compress") or sp.get("encode_identity") or {}).get("mean_s", 0.0)
+        parts.append(f"wire (send - coding) {max(0.0, sp['send']['mean_s'] - work):.3f}")
+    line = f"(c) HTTP profile [{transfer}, {one.get('compression')}], mean s per request: server " + ", ".join(parts)
+    if cp:
+        line += (f"; client receive {cp['receive_s']:.3f}, decode {cp['decode_s']:.3f}, store {cp['store_s']:.3f}"
+                 f" (at {cp.get('concurrency')} in flight)")
+    return line

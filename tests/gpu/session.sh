@@ -92,9 +92,11 @@ extra)
 bench)
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
-    python3 -m hsx.cli bench --h200 --modes a,b,c --transfer auto,http --codec none --codec-sample 0 \
-        --workdir /tmp/hsxb --output-dir /dev/shm/hsxc --server-arg=--arena-bytes=17179869184 \
-        --out "$out/bench-h200-$ver.json" 2>&1 | tee "$out/bench-h200-$ver.log"
+    # Issue 12's preset on this release; every (c) coding against one server, the client in its
+    # own process tree over TCP (issue 17's remote path, loopback standing in for the network).
+    python3 -m hsx.cli bench --h200 --modes a,c --transfer auto,http:none,http:bf16split,http:zstd \
+        --client-process --codec-sample 0 --workdir /tmp/hsxb --output-dir /dev/shm/hsxc \
+        --server-arg=--arena-bytes=17179869184 --out "$out/bench-h200-$ver.json" 2>&1 | tee "$out/bench-h200-$ver.log"
     ;;
 *)
     echo "session.sh: unknown step $step (prepare, stash, check, extra, bench)" >&2
