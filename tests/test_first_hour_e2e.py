@@ -109,7 +109,7 @@ def test_a_row_with_no_supervised_token_is_refused_before_the_engine(server):
                          {"role": "assistant", "content": "The end."}],
             "assistant_mask": "last", "max_length": 32, "truncation": "right"}
     count = httpx.post(url + "/tokenize", json=body).json()
-    assert count["num_tokens"] == 32 and count["num_input_tokens"] > 32 and count["num_supervised"] == 0
+    assert len(count["token_ids"]) == 32 and count["num_input_tokens"] > 32 and not any(count["loss_mask"])
     before = MetricValues(httpx.get(url + "/metrics").text)
     r = httpx.post(url + "/hidden_states", json={**body, "require_supervised": True})
     assert r.status_code == 422 and r.json()["error"]["type"] == "no_supervised_tokens", r.text
