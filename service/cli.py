@@ -51,7 +51,10 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         help_ = f"{field.description} [env {env_name(name)}; default {default!r}]"
         if _has_flag(parser, flag):
             continue
-        group.add_argument(flag, dest=f"hsx_{name}", default=None, help=help_)
+        if field.annotation is bool:  # `--flag` alone means true; `--flag false` still works
+            group.add_argument(flag, dest=f"hsx_{name}", default=None, nargs="?", const="true", help=help_)
+        else:
+            group.add_argument(flag, dest=f"hsx_{name}", default=None, help=help_)
 
 
 def parse(argv: list[str]):
