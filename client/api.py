@@ -17,6 +17,11 @@ should not be replayed on every server). The delay is full-jitter exponential ba
 server asks for longer. If another healthy, not-busy server is free, the retry goes there
 at once (failover) instead of sleeping. 400/401/413/422 raise at once.
 
+First contact: a server whose first connection fails (refused, or not accepted within
+CONNECT_TIMEOUT) is set aside for good; when every server is, requests raise
+ServersUnreachableError at once instead of retrying a typo for minutes. Only servers that
+answered once are retried.
+
 Health: a server that fails with a connection error, timeout or 5xx is set aside for
 `unhealthy_cooldown` seconds, then probed with `GET /health` (in a task owned by this
 client) and reused once it answers 200. A 429/503 only makes it "busy" for its
@@ -79,6 +84,11 @@ class RawResponse:
 
     def decode(self) -> wire.Decoded:
         return wire.decode(self.body, self.lease.states if self.lease else None)
+
+
+# Seconds to open a connection: a live server accepts in milliseconds even when busy (admission
+# answers 503 at once), so a few seconds tell a wrong host from a slow one without minutes of waiting.
+CONNECT_TIMEOUT = 5.0
 
 
 def _zstd_decompress(data: bytes | bytearray) -> bytes:
@@ -187,7 +197,7 @@ class HsxClient:
             if self.api_key:
                 headers["Authorization"] = f"Bearer {self.api_key}"
             self._http = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.timeout, connect=min(10.0, self.timeout)),
+                timeout=httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout)),
                 limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
                 headers=headers,
                 # httpx's default stack spends ~2 s of CPU per GB of body; this one ~0.75
@@ -227,9 +237,11 @@ class HsxClient:
             return await asyncio.wait_for(self._get_json(s, "/info", uuid.uuid4().hex), timeout)
 
         answers = await asyncio.gather(*(one(s) for s in self._servers), return_exceptions=True)
-        for a in answers:
+        for s, a in zip(self._servers, answers):
             if isinstance(a, BaseException) and not isinstance(a, (HsxError, asyncio.TimeoutError)):
                 raise a
+            if isinstance(a, HsxError):
+                self._pool.first_contact_failed(s, a)
         return {s.url: a for s, a in zip(self._servers, answers) if not isinstance(a, BaseException)}
 
     async def final_norm(self) -> Any:
@@ -274,6 +286,7 @@ class HsxClient:
                 resp = await http.post(server.url + "/tokenize", content=payload, headers=headers)
             except httpx.HTTPError as exc:
                 raise self._wrap_transport_error(exc, server, rid) from exc
+            server.answered = True
             if resp.status_code != 200:
                 raise error_from_response(resp.status_code, resp.content, resp.headers, server=server.url,
                                           request_id=resp.headers.get("x-request-id") or rid)
@@ -319,6 +332,11 @@ class HsxClient:
 
     # ------------------------------------------------------------------ HTTP
     def _wrap_transport_error(self, exc: Exception, server: ServerState, rid: str) -> HsxError:
+        if isinstance(exc, httpx.ConnectTimeout):  # nothing accepted the connection in time
+            return ConnectionFailedError(
+                f"no connection within {CONNECT_TIMEOUT:.0f} s ({type(exc).__name__})", type="connect_timeout",
+                request_id=rid, server=server.url,
+            )
         if isinstance(exc, httpx.TimeoutException):
             return RequestTimeoutError(
                 f"no answer within the timeout ({type(exc).__name__})", type="timeout", request_id=rid, server=server.url
@@ -358,6 +376,7 @@ class HsxClient:
             headers[shm.SESSION_HEADER] = arena.session
         try:
             async with http.stream("POST", server.url + "/hidden_states", content=payload, headers=headers) as resp:
+                server.answered = True
                 resp_rid = resp.headers.get("x-request-id") or rid
                 if resp.status_code != 200:
                     content = await resp.aread()
@@ -420,6 +439,7 @@ class HsxClient:
             resp = await http.get(server.url + path, headers={"X-Request-Id": rid})
         except httpx.HTTPError as exc:
             raise self._wrap_transport_error(exc, server, rid) from exc
+        server.answered = True
         if resp.status_code != 200:
             raise error_from_response(
                 resp.status_code, resp.content, resp.headers, server=server.url,

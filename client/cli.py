@@ -21,9 +21,20 @@ from pydantic import ValidationError
 from .settings import DEFAULTS, ClientSettings
 
 EXTRACT_EPILOG = """\
-exit codes: 0 corpus complete; 1 stopped on an error (rerun the same command to resume);
-2 refused (usage, settings differ from the plan, dir locked, disk too small, auth);
-130 interrupted (rerun to resume).
+exit codes:
+  0    complete: every planned sample stored, or dropped by policy (no supervised token
+       after truncation: nothing to train on; counted in the summary)
+  1    run failed: stopped on an error (rerun the same command to resume), or finished
+       with failed samples (the corpus holds the others; --retry-failed retries them)
+  2    refused before any work: usage, no usable input rows, settings differ from the plan,
+       pre-flight against the servers' /info (layers, draft vocab, max length, chat
+       template), dir locked or not writable, disk too small, auth
+  130  interrupted (rerun the same command to resume)
+
+Defaults that come from the servers: --max-length is the smallest max_tokens_per_request
+of the servers (recorded in the plan), longer samples are cut by --truncation (right).
+The summary counts what was cut, dropped and failed, by reason; unusable input rows are
+listed (file:line) in DIR/bad_rows.jsonl.
 
 Resume: rerun the same command (or `--resume` to insist that DIR holds a run). Samples
 whose files are missing or of the wrong size are redone; after `hsx verify DIR` found bad
@@ -64,9 +75,12 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
     p.add_argument("--mask-policy", choices=["per_turn", "all_turns"],
                    help="per_turn: one sample per assistant turn (speculators' way); all_turns: every "
                         "assistant turn of a conversation in one sample (SpecForge's). Default per_turn")
-    p.add_argument("--max-length", type=_positive, metavar="N", help="cut samples to N tokens")
+    p.add_argument("--max-length", type=_positive, metavar="N",
+                   help="cut samples to N tokens (default: the servers' max_tokens_per_request)")
     p.add_argument("--truncation", choices=["right", "left", "error"],
-                   help="with --max-length: keep the start (right), the end (left), or fail the sample (error). Default right")
+                   help="over --max-length: keep the start (right), the end (left: keeps the last, supervised "
+                        "turn), or fail the sample (error). Default right; a cut sample left with no "
+                        "supervised token is dropped")
     p.add_argument("--layers", type=_layers, metavar="2,8,13,16", help="layer ids (default: all the server serves)")
     p.add_argument("--draft-vocab-size", type=_positive, metavar="K", help="write the top-K draft vocab mapping")
     p.add_argument("--states", choices=["all", "none"],
@@ -172,7 +186,7 @@ def extract_main(argv: list[str] | None = None) -> int:
         return 130
     summary = dict(result.summary)
     summary.setdefault("status", result.status)
-    if result.status == "refused":
+    if result.status == "refused" or "planned" not in summary:  # nothing ran: the reason alone
         print(f"hsx extract: {summary.get('message')}", file=sys.stderr)
     elif not args.quiet or result.exit_code != 0:
         print(format_summary(summary), file=sys.stderr)
@@ -218,7 +232,8 @@ def verify_main(argv: list[str] | None = None) -> int:
     verdict = "OK" if report["ok"] else "FAILED"
     print(
         f"verify {verdict}: {report['done']}/{report['planned']} samples stored, {report['failed']} failed at "
-        f"extraction, {report['missing']} missing, {report['bad_samples']} bad",
+        f"extraction, {report.get('dropped', 0)} dropped (no supervised token), {report['missing']} missing, "
+        f"{report['bad_samples']} bad",
         file=sys.stderr,
     )
     if report["bad"]:

@@ -12,6 +12,7 @@ the request id (echoed by the server or the one the client sent) and the server 
     +-- ServerError             5xx         engine failure: retry elsewhere, bounded
     +-- ConnectionFailedError   no response (refused, reset, DNS, bad body)
     |   +-- RequestTimeoutError the server did not answer within the timeout
+    |   +-- ServersUnreachableError  no server ever answered (wrong URL/port): raised at once
     +-- RetriesExhaustedError   gave up; `.last_error` is the final attempt's error
     +-- LeaseExpiredError       410 on a lease release: the states read may be stale, redo
 """
@@ -95,6 +96,14 @@ class ConnectionFailedError(HsxError):
 
 class RequestTimeoutError(ConnectionFailedError):
     """The server did not answer within the client's timeout."""
+
+
+class ServersUnreachableError(ConnectionFailedError):
+    """No server of the client has ever answered, and every one refused or timed out the
+    connection: a wrong URL or port, or nothing started yet. Not retried (a retry storm
+    against a typo only hides it for minutes); servers that answered once are retried."""
+
+    retryable = False
 
 
 class LeaseExpiredError(HsxError):

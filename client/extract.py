@@ -1,29 +1,42 @@
 """`hsx extract`: the crash-safe, resumable corpus writer, step by step.
 
- 1. lock DIR/.lock (one writer per output dir), remove temporary files a crash left;
- 2. `GET /info` and `/final_norm` (every server must serve the same model and layers);
- 3. read the samples (`hsx_client.inputs.read_samples`), fingerprint them;
- 4. the plan (hsx_client.plan): made and saved on a new dir, reused on an existing one;
- 5. what is done and what is to do (hsx_client.plan), the disk it needs, refused when the
+ 1. check --output (not a file, not under one, writable), lock DIR/.lock (one writer per
+    output dir), remove temporary files a crash left;
+ 2. `GET /info` of every server (they must serve the same model and layers; a server that
+    never answers is set aside at once, and when none answers the run stops within
+    seconds), `/final_norm` when the format needs it;
+ 3. pre-flight, before any sample is sent: the layers the format needs (EAGLE-3: 3 aux + the
+    last), `--layers` against the served ones, `--draft-vocab-size` within the vocab,
+    `--max-length` within the servers' `max_tokens_per_request` (and its default: their
+    smallest), a chat template for chat rows;
+ 4. read the samples (`hsx_client.inputs.read_samples`), fingerprint them; no usable row
+    is a refusal that says why;
+ 5. the plan (hsx_client.plan): made on a new dir, the disk it needs checked, and only then
+    saved (with bad_rows.jsonl); reused on an existing dir. A run refused before its plan
+    leaves DIR as it was (no lock file, no directory it created);
+ 6. what is done and what is to do (hsx_client.plan), the disk it needs, refused when the
     disk cannot hold it;
- 6. the fan-out loop (hsx_client.run): each response decoded, encoded by the format, its
+ 7. the fan-out loop (hsx_client.run): each response decoded, encoded by the format, its
     files stored atomically and only then its manifest line appended (fsync'ed);
- 7. when every planned sample is done or failed: the format's finalize, then
+ 8. when every planned sample is done, failed or dropped: the format's finalize, then
     `hsx_corpus.json` (hsx_client.provenance), atomically.
 
-Failed samples: see hsx_client.run; they count as "failed" for finalize, and
-`hsx_corpus.json` lists them. Ctrl-C (SIGINT/SIGTERM): stop admitting, cancel requests in
+Failed and dropped samples: see hsx_client.run; finalize leaves them out, and
+`hsx_corpus.json` lists them. The summary counts them by reason. Ctrl-C (SIGINT/SIGTERM): stop admitting, cancel requests in
 flight, let stores already running finish, exit 130. A second Ctrl-C exits at once; the
 state is still consistent (a kill -9 is too: see hsx_client.store).
 
-Exit codes: 0 complete, 1 stopped on an error (resumable), 2 refused (usage, settings,
-lock, disk, auth), 130 interrupted.
+Exit codes (EXIT_CODES, also in `hsx extract --help`): 0 complete (every planned sample
+stored or dropped by policy); 1 run failed: stopped on an error (resumable), or finished
+with samples that failed (the corpus holds the others); 2 refused before any work (usage,
+settings, input, pre-flight, lock, disk, auth); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,15 +46,24 @@ from typing import Any
 from . import plan as planning
 from . import store
 from .api import HsxClient
-from .errors import AuthenticationError, HsxError, RetriesExhaustedError
+from .errors import AuthenticationError, HsxError, RetriesExhaustedError, ServersUnreachableError
 from .plan import ConfigError
-from .progress import Progress, format_summary
+from .preflight import check_chat_template, preflight, token_ratio, wants_final_norm
+from .progress import Progress, format_summary, reason_counts
 from .provenance import finalize
 from .run import EXIT_INTERRUPTED, RunHooks, RunLoop, RunState
 from .settings import DEFAULTS
 from .verify import verify_corpus, verify_samples
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
+EXIT_CODES = {
+    EXIT_OK: "complete: every planned sample stored, or dropped by policy (no supervised token)",
+    EXIT_ERROR: "run failed: stopped on an error (rerun the same command to resume), or finished "
+                "with failed samples (the corpus holds the others; --retry-failed retries them)",
+    EXIT_REFUSED: "refused before any work: usage, settings differ from the plan, no usable input rows, "
+                  "pre-flight against the servers, dir locked or not writable, disk too small, auth",
+    EXIT_INTERRUPTED: "interrupted (rerun the same command to resume)",
+}
 
 
 @dataclass
@@ -112,6 +134,9 @@ class Extractor:
         self.run_hooks = run_hooks
         self.loop: RunLoop | None = None
         self._stop_reason: str | None = None
+        self._notes: list[str] = []  # said once the progress bar is up
+        self._token_ratio: Any = None  # preflight.TokenCounts: the served tokenizer's counts of a sample
+        self._disk_estimate: int | None = None
 
     def request_stop(self, reason: str) -> None:
         """Stop admitting samples and cancel the requests in flight (exit 130)."""
@@ -121,22 +146,33 @@ class Extractor:
             self._stop_reason = reason
 
     async def run(self) -> ExtractResult:
+        out = self.out
         try:
-            lock = store.DirLock(self.out).acquire("hsx extract")
+            store.check_output_dir(out)
+            created, lock_existed = store.first_missing(out), (out / store.LOCK_NAME).exists()
+            lock = store.DirLock(out).acquire("hsx extract")
         except store.StoreError as exc:
             return ExtractResult(EXIT_REFUSED, "refused", {"message": str(exc)})
         try:
-            return await self._run_locked()
+            result = await self._run_locked()
         except (ConfigError, store.StoreError) as exc:
-            return ExtractResult(EXIT_REFUSED, "refused", {"message": str(exc)})
+            result = ExtractResult(EXIT_REFUSED, "refused", {"message": str(exc)})
         except AuthenticationError as exc:
-            return ExtractResult(EXIT_REFUSED, "refused", {"message": f"authentication failed: {exc}"})
+            result = ExtractResult(EXIT_REFUSED, "refused", {"message": f"authentication failed: {exc}"})
+        except ServersUnreachableError as exc:
+            result = ExtractResult(EXIT_ERROR, "error", {"message": exc.message})
         except RetriesExhaustedError as exc:
-            return ExtractResult(EXIT_ERROR, "error", {"message": f"servers unreachable: {exc}"})
+            result = ExtractResult(EXIT_ERROR, "error", {"message": f"servers unreachable: {exc}"})
         except HsxError as exc:
-            return ExtractResult(EXIT_ERROR, "error", {"message": str(exc)})
-        finally:
-            lock.release()
+            result = ExtractResult(EXIT_ERROR, "error", {"message": str(exc)})
+        except OSError as exc:  # a full disk, a read-only remount mid-run: one line, resumable
+            result = ExtractResult(EXIT_ERROR, "error", {
+                "message": f"{exc.strerror or exc}{': ' + exc.filename if exc.filename else ''} "
+                           "(fix it, then rerun the same command to resume)"})
+        if not (out / store.PLAN_NAME).exists():  # refused before its plan: leave DIR as it was
+            store.remove_new_dir(out, created, lock_existed)
+        lock.release()
+        return result
 
     def _client(self) -> HsxClient:
         cfg = self.cfg
@@ -175,17 +211,15 @@ class Extractor:
 
         async with self._client() as client:
             info = await client.info()
-            await self._check_servers_agree(client, info)
-            final_norm = await client.final_norm()
+            infos = await self._check_servers_agree(client, info)
             settings["layers"] = planning.served_layers(settings["layers"], info)
+            if plan is None and settings["max_length"] is None:  # the servers' limit, recorded in the plan
+                settings["max_length"] = planning.servers_max_tokens(infos.values())
+            preflight(fmt, settings, info, infos)
+            final_norm = await client.final_norm() if wants_final_norm(fmt, info) else None
 
             samples = planning.Samples.read(hooks.read_samples, inputs, settings["mask_policy"])
-            if plan is None:
-                plan = planning.new_plan(settings, inputs, samples, info, shard=cfg.shard)
-                store.write_json_atomic(out / store.PLAN_NAME, plan)
-            else:
-                planning.check_resumable(plan, inputs, samples, info, settings["layers"], out, shard=cfg.shard)
-            keys = plan["keys"]
+            check_chat_template(samples, infos)
             ctx = hooks.make_context(
                 layer_ids=settings["layers"],
                 hidden_size=int(info["hidden_size"]),
@@ -199,14 +233,33 @@ class Extractor:
                 getattr(fmt, "prepare", lambda: None)()
             except ImportError as exc:
                 raise ConfigError(str(exc)) from exc
+            if cfg.quiet:
+                _silence_progress_bars()
+            disk = None
+            if plan is None:  # every check passes before DIR gets its plan
+                plan = planning.new_plan(settings, inputs, samples, info, shard=cfg.shard)
+                self._token_ratio = await token_ratio(client, plan["keys"], samples, settings)
+                disk = self._check_disk(list(range(len(plan["keys"]))), plan["keys"], samples, settings, info,
+                                        fmt, ctx)
+                store.write_files_atomic(out, {store.BAD_ROWS_NAME: b"".join(
+                    (json.dumps(b) + "\n").encode() for b in samples.bad)}, _reserved_ok=True)
+                store.write_json_atomic(out / store.PLAN_NAME, plan)
+                new_run = True
+            else:
+                planning.check_resumable(plan, inputs, samples, info, settings["layers"], out, shard=cfg.shard)
+                new_run = False
+            keys = plan["keys"]
 
             with store.JsonlLog(out / store.MANIFEST_NAME) as manifest, \
                     store.JsonlLog(out / store.FAILED_NAME) as failed_log:
                 done, failed, redo = self._what_is_done(fmt, keys, manifest)
                 todo = planning.pending(len(keys), done, failed)
-                disk = self._check_disk(todo, keys, samples, settings, info, fmt, ctx)
-                progress = Progress(len(keys), initial=len(keys) - len(todo), quiet=cfg.quiet,
-                                    server_stats=client.stats)
+                if not new_run and todo:
+                    self._token_ratio = await token_ratio(client, [keys[i] for i in todo], samples, settings)
+                    disk = self._check_disk(todo, keys, samples, settings, info, fmt, ctx)
+                progress = Progress(len(todo), quiet=cfg.quiet, server_stats=client.stats)
+                for note in self._notes:
+                    progress.write(note)
                 if removed:
                     progress.write(f"removed {removed} temporary file(s) left by an earlier run")
                 if redo:
@@ -247,7 +300,8 @@ class Extractor:
         failed = planning.failed_for_good(out, len(keys), done)
         if not compacted:
             failed = {i: e for i, e in failed.items()
-                      if not (cfg.retry_failed or e.get("kind") in planning.RETRIED_KINDS)}
+                      if not ((cfg.retry_failed and e.get("kind") != planning.DROPPED)
+                              or e.get("kind") in planning.RETRIED_KINDS)}
         return done, failed, redo
 
     def _check_disk(self, todo: list[int], keys: list[str], samples: planning.Samples, settings: dict[str, Any],
@@ -258,18 +312,31 @@ class Extractor:
         if corpus.exists():  # the corpus changes: it is no longer finished
             corpus.unlink()
             store.fsync_dir(self.out)
+        counts = self._token_ratio
         need = planning.disk_needed((samples.by_key[keys[i]].request for i in todo), fmt.bytes_per_token(ctx),
-                                    settings["max_length"], info.get("max_model_len"))
-        return store.check_disk_space(self.out, need, force=self.cfg.force_disk)
+                                    settings["max_length"], info.get("max_model_len"),
+                                    counts.ratio if counts else 1.0, counts.kept if counts else 1.0)
+        est = store.check_disk_space(self.out, need, force=self.cfg.force_disk)
+        self._disk_estimate = need
+        return est
 
     def _result(self, state: RunState, plan: dict[str, Any], info: dict[str, Any], final_norm: Any,
                 settings: dict[str, Any], run_summary: dict[str, Any]) -> ExtractResult:
         out, done, n = self.out, state.done, len(plan["keys"])
-        failed = planning.failed_for_good(out, n, done)
-        remaining = n - len(done) - len(failed)
+        not_stored = planning.failed_for_good(out, n, done)
+        failed, dropped = planning.split_dropped(not_stored)
+        remaining = n - len(done) - len(not_stored)
+        bad_rows_file = out / store.BAD_ROWS_NAME
+        bad_examples, _, _ = store.read_jsonl(bad_rows_file)
         summary = {
-            "output": str(out), "planned": n, "done": len(done), "failed": len(failed), "remaining": remaining,
-            "bad_rows": plan.get("bad_rows", 0), **run_summary,
+            "output": str(out), "planned": n, "done": len(done), "failed": len(failed), "dropped": len(dropped),
+            "remaining": remaining, "max_length": settings["max_length"], "truncation": settings["truncation"],
+            "truncated": sum(1 for e in done.values() if e.get("truncated_from")),
+            "failed_reasons": reason_counts(failed.values()), "dropped_reasons": reason_counts(dropped.values()),
+            "bad_rows": plan.get("bad_rows", 0), "bad_row_kinds": plan.get("bad_row_kinds", {}),
+            "bad_rows_file": str(bad_rows_file), "bad_row_examples": bad_examples[:5],
+            "disk_estimate_bytes": self._disk_estimate,
+            "token_counts": vars(self._token_ratio) if self._token_ratio else None, **run_summary,
         }
         if state.fatal is not None:
             summary.update(status="error", message=f"stopped: {state.fatal} (rerun the same command to resume)")
@@ -281,32 +348,55 @@ class Extractor:
             summary.update(status="error", message=f"{remaining} sample(s) not done; rerun to resume")
             return ExtractResult(EXIT_ERROR, "error", summary)
         if not done:
-            summary.update(status="error", message=f"no sample could be extracted; see {out / store.FAILED_NAME}")
+            summary.update(status="error", message=f"no sample could be stored ({len(failed)} failed, {len(dropped)} "
+                                                   f"dropped: reasons above; each is in {out / store.FAILED_NAME})")
             return ExtractResult(EXIT_ERROR, "error", summary)
         if (out / store.CORPUS_NAME).exists():  # finished earlier; nothing changed
             corpus = json.loads((out / store.CORPUS_NAME).read_text())
             summary.update(status="complete", corpus=str(out / store.CORPUS_NAME),
                            tokens=corpus.get("counts", {}).get("tokens"), message="already complete")
-            return ExtractResult(EXIT_OK, "complete", summary)
-        t = time.monotonic()
-        corpus = finalize(out, state.fmt, state.ctx, plan, done, failed, info, final_norm, settings)
-        summary.update(status="complete", corpus=str(out / store.CORPUS_NAME), tokens=corpus["counts"]["tokens"],
-                       finalize_s=round(time.monotonic() - t, 3))
-        if failed:
-            summary["message"] = f"{len(failed)} sample(s) failed; see {out / store.FAILED_NAME}"
+        else:
+            t = time.monotonic()
+            try:
+                corpus = finalize(out, state.fmt, state.ctx, plan, done, not_stored, info, final_norm, settings)
+            except OSError as exc:  # e.g. the disk filled up while writing the table
+                summary.update(status="error", message=(
+                    f"finalize failed: {exc.strerror or exc}{': ' + exc.filename if exc.filename else ''}; "
+                    "every stored sample is kept: fix it, then rerun the same command to finish"))
+                return ExtractResult(EXIT_ERROR, "error", summary)
+            summary.update(status="complete", corpus=str(out / store.CORPUS_NAME),
+                           tokens=corpus["counts"]["tokens"], finalize_s=round(time.monotonic() - t, 3))
+        if failed:  # a corpus, but smaller than planned: not a success
+            summary.update(status="complete_with_failures", message=(
+                f"the corpus holds {len(done)} of {n} planned samples; {len(failed)} failed (reasons above; each "
+                f"in {out / store.FAILED_NAME}); fix the cause and rerun with --retry-failed to add them"))
+            return ExtractResult(EXIT_ERROR, "complete_with_failures", summary)
         return ExtractResult(EXIT_OK, "complete", summary)
 
-    async def _check_servers_agree(self, client: HsxClient, info: dict[str, Any]) -> None:
-        if len(client.servers) < 2:
-            return
+    async def _check_servers_agree(self, client: HsxClient, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Every answering server's /info (a server that never answers is set aside and
+        named in a note; one that is loading is the loop's business)."""
+        infos = await client.server_infos()
+        for url in client.servers:
+            if url not in infos:
+                self._notes.append(f"warning: {url} did not answer /info ({client.stats()[url]['last_error']}); "
+                                   "going on with the others")
         keys = ("model", "model_revision", "layer_ids", "hidden_size", "dtype")
-        for url, other in (await client.server_infos()).items():  # a down server is the loop's business
+        for url, other in infos.items():
             diffs = [k for k in keys if other.get(k) != info.get(k)]
             if diffs:
                 raise ConfigError(
                     f"{url} serves something else than {client.servers[0]}: "
                     + ", ".join(f"{k}={other.get(k)!r} vs {info.get(k)!r}" for k in diffs)
                 )
+        return infos or {client.servers[0]: info}
+
+
+def _silence_progress_bars() -> None:
+    """--quiet: datasets' own "Saving the dataset" bars too (finalize's save_to_disk; the
+    format's `prepare` imported datasets already when its finalize uses it)."""
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
 
 
 def run_extract(cfg: ExtractConfig, hooks: Hooks | None = None, *, transport: Any = None,
@@ -316,6 +406,6 @@ def run_extract(cfg: ExtractConfig, hooks: Hooks | None = None, *, transport: An
 
 
 __all__ = [
-    "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REFUSED", "ConfigError", "ExtractConfig", "ExtractResult",
+    "EXIT_CODES", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REFUSED", "ConfigError", "ExtractConfig", "ExtractResult",
     "Extractor", "Hooks", "default_hooks", "format_summary", "run_extract", "verify_corpus",
 ]

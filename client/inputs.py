@@ -66,43 +66,80 @@ class Sample:
     request: dict
 
 
+# BadRow kinds, for the summary's counts (the reason says the details).
+NO_ASSISTANT = "no_assistant_turn"
+QUESTION_ONLY = "question_only"
+
+
 @dataclass
 class BadRow:
-    """An input row that could not be used, and why."""
+    """An input row that could not be used (`source` is file:line), and why."""
 
     source: str
     reason: str
+    kind: str = "malformed"  # malformed | invalid_json | not_utf8 | no_assistant_turn | question_only | unknown_shape
 
 
 class _Bad(Exception):
     """A row-level problem: becomes a BadRow."""
 
+    def __init__(self, reason: str, kind: str = "malformed") -> None:
+        super().__init__(reason)
+        self.kind = kind
+
 
 # ----------------------------------------------------------------------------- sources
 
 
+class _RowError(str):
+    """An error text for a row, with its BadRow kind."""
+
+    kind = "invalid_json"
+
+
+def _row_error(text: str, kind: str) -> _RowError:
+    e = _RowError(text)
+    e.kind = kind
+    return e
+
+
 def _iter_json_file(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield (n, row, error) for a .json or .jsonl file."""
-    text = path.read_text(encoding="utf-8")
+    """Yield (n, row, error) for a .json or .jsonl file. A line that is not UTF-8 costs
+    that line only (JSON Lines); a .json array must decode as a whole."""
+    data = path.read_bytes()
     if path.suffix.lower() == ".json":
         try:
-            data = json.loads(text)
+            text = data.decode("utf-8")
+            rows_or_err: Any = json.loads(text)
+        except UnicodeDecodeError as exc:
+            rows_or_err = exc
         except json.JSONDecodeError as exc:
-            if exc.msg != "Extra data":  # not JSON Lines either
-                yield 1, None, f"file is not valid JSON: {exc}"
+            rows_or_err = exc
+        if isinstance(rows_or_err, UnicodeDecodeError):
+            if b"\n{" not in data:  # one JSON document: it cannot be split into rows
+                yield 1, None, _row_error(f"file is not UTF-8 (byte {rows_or_err.start})", "not_utf8")
+                return
+        elif isinstance(rows_or_err, json.JSONDecodeError):
+            if rows_or_err.msg != "Extra data":  # not JSON Lines either
+                yield 1, None, _row_error(f"file is not valid JSON: {rows_or_err}", "invalid_json")
                 return
         else:
-            rows = data if isinstance(data, list) else [data]
+            rows = rows_or_err if isinstance(rows_or_err, list) else [rows_or_err]
             for i, row in enumerate(rows, 1):
                 yield i, row, None
             return
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
+    for i, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            yield i, None, _row_error(f"line is not UTF-8 (byte {exc.start} of the line)", "not_utf8")
             continue
         try:
             yield i, json.loads(line), None
         except json.JSONDecodeError as exc:
-            yield i, None, f"invalid JSON line: {exc.msg} at column {exc.colno}"
+            yield i, None, _row_error(f"invalid JSON line: {exc.msg} at column {exc.colno}", "invalid_json")
 
 
 def _pick_split(ds: Any, where: str, split: str | None) -> Any:
@@ -274,7 +311,7 @@ def _chat_samples(name: str, n: int, source: str, msgs: list[dict], tools: list 
                   mask_policy: str) -> list[Sample]:
     turns = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
     if not turns:
-        raise _Bad("conversation has no assistant turn (nothing to supervise)")
+        raise _Bad("conversation has no assistant turn (nothing to supervise)", NO_ASSISTANT)
     extra = {"tools": tools} if tools else {}
     if mask_policy == "all_turns":
         body = {"messages": msgs[: turns[-1] + 1], **extra, "assistant_mask": "all"}
@@ -306,7 +343,7 @@ def _classify(row: Any) -> str:
     for k in ("prompt", "text"):
         if k in present:
             return k
-    raise _Bad(f"unknown row shape (keys: {sorted(row)[:12]})")
+    raise _Bad(f"unknown row shape (keys: {sorted(row)[:12]})", "unknown_shape")
 
 
 # ----------------------------------------------------------------------------- planning
@@ -350,7 +387,7 @@ def read_samples(
                 break
             source = f"{spec}:{n}"
             if err is not None:
-                bad.append(BadRow(source, err))
+                bad.append(BadRow(source, str(err), getattr(err, "kind", "invalid_json")))
                 continue
             try:
                 kind = _classify(row)
@@ -382,7 +419,7 @@ def read_samples(
                     new = _chat_samples(name, n, source, msgs, tools, mask_policy)
                     samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
             except _Bad as exc:
-                bad.append(BadRow(source, str(exc)))
+                bad.append(BadRow(source, str(exc), exc.kind))
 
     for name, n, source, row in answers:
         if full():
@@ -405,9 +442,9 @@ def read_samples(
             new = _chat_samples(name, n, source, msgs, None, mask_policy)
             samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
         except _Bad as exc:
-            bad.append(BadRow(source, str(exc)))
+            bad.append(BadRow(source, str(exc), exc.kind))
     for qid, src in q_sources.items():
         if qid not in q_used and not full():  # (when stopped early, unused is not unusable)
             bad.append(BadRow(src, "MT-Bench question with user turns only and no answer row "
-                                   "(no assistant turn to supervise)"))
+                                   "(no assistant turn to supervise)", QUESTION_ONLY))
     return samples

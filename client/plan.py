@@ -26,9 +26,22 @@ written), and sizes differ by at most one sample. A shard's plan.json also holds
 the settings, the inputs' fingerprint and the model. `hsx merge` proves with them that the
 shards come from one plan and cover it exactly once.
 
+`--max-length` left out on a new dir: the smallest `max_tokens_per_request` of the
+servers (what they would accept at all), recorded in the plan like a given value; rows
+longer than that are cut by `--truncation` (default right) instead of failing with 413.
+
+Not every planned sample ends in the corpus: failed.jsonl holds those that failed (kinds
+below) and those *dropped* by policy (kind "dropped": after truncation no token is
+supervised, so the row has nothing to train on, shared/DESIGN.md). Dropped rows are not
+failures: they do not make the exit status non-zero and are never retried.
+
 Token estimate for the disk check: `input_ids` length, else characters / 3 of the prompt,
 messages and tools (+8 per message), capped at `--max-length` and the server's
-max_model_len. Characters / 3 over-counts typical English (~4 chars/token): on purpose.
+max_model_len, then scaled by the served tokenizer's real counts: up to COUNT_SAMPLE
+planned samples are tokenized by the server (`POST /tokenize`, no prefill); the ratio of
+their real to estimated tokens (before truncation) scales each estimate before the cap,
+and the share of tokens in rows that will be dropped is taken off (characters / 3 alone
+was 0.5x to 1.4x off on the shared fixtures with a 512-token vocab).
 """
 
 from __future__ import annotations
@@ -65,6 +78,7 @@ SETTING_DEFAULTS: dict[str, Any] = {
 PLAN_KEYS = tuple(SETTING_DEFAULTS)
 # Failures the next run retries by itself (the others only with --retry-failed).
 RETRIED_KINDS = ("server_error", "lease_expired")
+DROPPED = "dropped"  # not stored by policy (no supervised token): not a failure, never retried
 
 
 class ConfigError(Exception):
@@ -122,6 +136,18 @@ def resolve_settings(given: dict[str, Any], plan: dict[str, Any] | None, out: Pa
     return {k: saved.get(k, SETTING_DEFAULTS[k]) for k in PLAN_KEYS}
 
 
+def servers_max_tokens(infos: Iterable[dict[str, Any]]) -> int | None:
+    """The largest prompt every server takes: the smallest `max_tokens_per_request`."""
+    limits = []
+    for info in infos:
+        lim = info.get("max_tokens_per_request")
+        if lim is None and info.get("max_model_len"):
+            lim = int(info["max_model_len"]) - 1
+        if lim:
+            limits.append(int(lim))
+    return min(limits) if limits else None
+
+
 def served_layers(asked: list[int] | None, info: dict[str, Any]) -> list[int]:
     """The run's layers: those asked (each must be served), else all the server serves."""
     served = [int(x) for x in info["layer_ids"]]
@@ -150,21 +176,70 @@ def normalize_input(path: str) -> str:
 
 @dataclass
 class Samples:
-    """What the inputs hold: the samples by key, their fingerprint, the rows skipped."""
+    """What the inputs hold: the samples by key, their fingerprint, the rows skipped
+    (`bad`: {"source": file:line, "kind", "reason"} each)."""
 
     by_key: dict[str, Any]
     fingerprint: str
     count: int
-    bad_rows: int
+    bad: list[dict[str, str]]
+
+    @property
+    def bad_rows(self) -> int:
+        return len(self.bad)
 
     @classmethod
     def read(cls, read_samples: Callable[..., list[Any]], inputs: list[str], mask_policy: str) -> "Samples":
         bad_rows: list[Any] = []
-        samples = read_samples(inputs, mask_policy=mask_policy, bad_rows=bad_rows)
+        try:
+            samples = read_samples(inputs, mask_policy=mask_policy, bad_rows=bad_rows)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"--input: {exc.args[0] if exc.args else exc}") from None
+        except (OSError, ValueError, RuntimeError) as exc:  # unreadable file, bad dataset dir, hub down
+            raise ConfigError(f"--input: {exc}") from None
         by_key = {s.key: s for s in samples}
         if len(by_key) != len(samples):
             raise ConfigError("the inputs produced duplicate sample keys")
-        return cls(by_key, inputs_fingerprint(samples), len(samples), len(bad_rows))
+        bad = [_bad_row(b) for b in bad_rows]
+        if not samples:
+            raise ConfigError(no_usable_rows(inputs, bad))
+        return cls(by_key, inputs_fingerprint(samples), len(samples), bad)
+
+
+def _bad_row(b: Any) -> dict[str, str]:
+    if isinstance(b, (tuple, list)):  # (path, line, reason), as simple readers give them
+        return {"source": ":".join(str(x) for x in b[:-1]), "kind": "malformed", "reason": str(b[-1])}
+    return {"source": str(getattr(b, "source", "?")), "kind": str(getattr(b, "kind", "malformed")),
+            "reason": str(getattr(b, "reason", b))}
+
+
+def bad_row_counts(bad: list[dict[str, str]]) -> list[tuple[str, int]]:
+    """(kind, count), most frequent first."""
+    counts: dict[str, int] = {}
+    for b in bad:
+        counts[b["kind"]] = counts.get(b["kind"], 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+_KIND_TEXT = {
+    "no_assistant_turn": "have no assistant turn (nothing to supervise)",
+    "question_only": "have no assistant turn (questions only; pair them with answers, e.g. "
+                     "--input question.jsonl --input <model>-answers.jsonl for MT-Bench)",
+    "invalid_json": "are not valid JSON",
+    "not_utf8": "are not UTF-8",
+    "unknown_shape": "have an unknown shape (not messages, conversations, Alpaca, MT-Bench, prompt/text "
+                     "or input_ids)",
+    "malformed": "are malformed",
+}
+
+
+def no_usable_rows(inputs: list[str], bad: list[dict[str, str]]) -> str:
+    names = ", ".join(os.path.basename(os.path.normpath(p)) for p in inputs)
+    if not bad:
+        return f"no usable rows in {names}: the input is empty"
+    parts = [f"{n} row{'s' if n != 1 else ''} {_KIND_TEXT.get(k, k)}" for k, n in bad_row_counts(bad)]
+    first = bad[0]
+    return f"no usable rows in {names}: {'; '.join(parts)} (first: {first['source']}: {first['reason']})"
 
 
 def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info: dict[str, Any],
@@ -184,6 +259,7 @@ def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info
         "inputs_sha256": samples.fingerprint,
         "num_input_samples": samples.count,
         "bad_rows": samples.bad_rows,
+        "bad_row_kinds": dict(bad_row_counts(samples.bad)),
         "model": info.get("model"),
         "model_revision": info.get("model_revision"),
         "keys": keys,
@@ -273,8 +349,14 @@ def load_failed(out: Path) -> dict[int, dict[str, Any]]:
 
 
 def failed_for_good(out: Path, n: int, done: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """The failed.jsonl entries of planned indices that are not done."""
+    """The failed.jsonl entries of planned indices that are not done (dropped ones included)."""
     return {i: e for i, e in load_failed(out).items() if i not in done and i < n}
+
+
+def split_dropped(failed: dict[int, dict[str, Any]]) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """(failures, dropped by policy)."""
+    dropped = {i: e for i, e in failed.items() if e.get("kind") == DROPPED}
+    return {i: e for i, e in failed.items() if i not in dropped}, dropped
 
 
 def refuse_changes_after_compaction(out: Path, verify: bool, retry_failed: bool) -> None:
@@ -367,12 +449,19 @@ def estimate_tokens(request: dict[str, Any], max_length: int | None, max_model_l
     return n
 
 
+COUNT_SAMPLE = 64  # planned samples the server tokenizes for the disk estimate
+
+
 def disk_needed(requests: Iterable[dict[str, Any]], bytes_per_token: float, max_length: int | None,
-                max_model_len: int | None) -> int:
-    """Bytes the samples of `requests` will take: estimated tokens x the format's bytes
-    per token, plus 4 KiB a sample for headers and file-system slack."""
-    total = count = 0
+                max_model_len: int | None, token_ratio: float = 1.0, kept: float = 1.0) -> int:
+    """Bytes the samples of `requests` will take: estimated tokens (x `token_ratio`, the
+    served tokenizer's real / estimated count, then capped; x `kept`, the share not dropped)
+    x the format's bytes per token, plus 4 KiB a sample for headers and file-system slack."""
+    total = 0.0
+    count = 0
+    cap = min((int(c) for c in (max_length, max_model_len) if c), default=None)
     for r in requests:
-        total += estimate_tokens(r, max_length, max_model_len)
+        n = estimate_tokens(r, None, None) * token_ratio
+        total += min(n, cap) if cap else n
         count += 1
-    return int(total * float(bytes_per_token) + 4096 * count)
+    return int(total * kept * float(bytes_per_token) + 4096 * count)

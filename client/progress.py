@@ -1,13 +1,15 @@
 """Live progress of `hsx extract` on stderr (tqdm) and the end-of-run summary.
 
-The bar counts samples (done + permanently failed) against the plan, so tqdm's ETA is
-the samples ETA; the postfix shows tokens/s, MB/s on the wire and written to disk,
+The bar counts this run's samples (done + failed + dropped) against what this run has to
+do (not the whole plan: a resumed run never shows 100% with nothing done), so tqdm's ETA
+is the samples ETA; the postfix shows tokens/s, MB/s on the wire and written to disk,
 retries, errors, failed samples and per-server requests in flight. Rates are averages
 since this run started (a resumed run counts only its own work).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from typing import Any, Callable, TextIO
@@ -24,14 +26,12 @@ class Progress:
         self,
         total: int,
         *,
-        initial: int = 0,
         quiet: bool = False,
         stream: TextIO | None = None,
         server_stats: Callable[[], dict[str, dict[str, Any]]] | None = None,
         min_interval: float = 0.5,
     ) -> None:
         self.total = total
-        self.initial = initial
         self.quiet = quiet
         self.stream = stream or sys.stderr
         self.server_stats = server_stats
@@ -39,15 +39,16 @@ class Progress:
         self.start = time.monotonic()
         self.samples = 0
         self.failed = 0
+        self.dropped = 0
         self.tokens = 0
         self.wire_bytes = 0
         self.written_bytes = 0
         self._last_refresh = 0.0
         self._bar = None
-        if not quiet:
+        if not quiet and total > 0:  # nothing to do: no bar (it would stand at 100% with 0 done)
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, file=self.stream, unit="sample", dynamic_ncols=True,
+            self._bar = tqdm(total=total, file=self.stream, unit="sample", dynamic_ncols=True,
                              smoothing=0.05, desc="extract")
 
     # ------------------------------------------------------------------ updates
@@ -60,8 +61,11 @@ class Progress:
             self._bar.update(1)
         self.refresh()
 
-    def sample_failed(self) -> None:
-        self.failed += 1
+    def sample_failed(self, dropped: bool = False) -> None:
+        if dropped:
+            self.dropped += 1
+        else:
+            self.failed += 1
         if self._bar is not None:
             self._bar.update(1)
         self.refresh()
@@ -101,6 +105,8 @@ class Progress:
             parts.append(f"errors {errors}")
         if self.failed:
             parts.append(f"failed {self.failed}")
+        if self.dropped:
+            parts.append(f"dropped {self.dropped}")
         if self.server_stats is not None:
             st = self.server_stats()
             flights = " ".join(
@@ -132,6 +138,7 @@ class Progress:
             "elapsed_s": round(el, 3),
             "samples_this_run": self.samples,
             "failed_this_run": self.failed,
+            "dropped_this_run": self.dropped,
             "tokens_this_run": self.tokens,
             "samples_per_s": round(self.samples / el, 3),
             "tokens_per_s": round(self.tokens / el, 1),
@@ -145,10 +152,22 @@ class Progress:
         }
 
 
+def reason_counts(entries: Any, limit: int = 10) -> list[dict[str, Any]]:
+    """failed.jsonl entries grouped by reason (the message with its numbers as N), most
+    frequent first, each with one example sample key (its input file:line)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for e in entries:
+        head = f"{e.get('status')} {e.get('type')}: " if e.get("status") else ""
+        reason = head + re.sub(r"\d+", "N", str(e.get("message") or e.get("kind")))[:200]
+        g = groups.setdefault(reason, {"reason": reason, "count": 0, "example": e.get("key")})
+        g["count"] += 1
+    return sorted(groups.values(), key=lambda g: -g["count"])[:limit]
+
+
 def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"status: {s.get('status')}  done {s.get('done')}/{s.get('planned')}  failed {s.get('failed')}"
-        f"  remaining {s.get('remaining')}",
+        f"  dropped {s.get('dropped', 0)}  remaining {s.get('remaining')}",
         f"this run: {s.get('samples_this_run', 0)} samples, {s.get('tokens_this_run', 0):,} tokens in "
         f"{s.get('elapsed_s', 0):.1f}s ({s.get('samples_per_s', 0):.2f} samples/s, "
         f"{s.get('tokens_per_s', 0):,.0f} tok/s, wire {s.get('wire_MB_per_s', 0):.1f} MB/s, "
@@ -156,9 +175,21 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     for url, st in (s.get("servers") or {}).items():
         lines.append(
-            f"  {url}: ok {st.get('ok')} retries {st.get('retries')} errors {st.get('errors')}"
+            f"  {url}: ok {st.get('ok')} refused {st.get('refused', 0)} retries {st.get('retries')} errors {st.get('errors')}"
             f" {'healthy' if st.get('healthy') else 'UNHEALTHY: ' + str(st.get('last_error'))}"
         )
+    if s.get("truncated"):
+        lines.append(f"cut: {s['truncated']} stored sample(s) were longer than --max-length {s.get('max_length')} "
+                     f"and cut ({s.get('truncation')} truncation)")
+    for what in ("dropped", "failed"):
+        for r in s.get(f"{what}_reasons") or []:
+            lines.append(f"{what}: {r['count']} x {r['reason']}" + (f" (e.g. {r['example']})" if r.get("example") else ""))
+    bad = s.get("bad_rows") or 0
+    if bad:
+        kinds = ", ".join(f"{n} {k}" for k, n in (s.get("bad_row_kinds") or {}).items())
+        lines.append(f"bad input rows: {bad} skipped ({kinds}); listed in {s.get('bad_rows_file')}")
+        for b in s.get("bad_row_examples") or []:
+            lines.append(f"  {b['source']}: {b['reason']}")
     if s.get("message"):
         lines.append(str(s["message"]))
     return "\n".join(lines)

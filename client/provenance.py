@@ -16,6 +16,7 @@ from typing import Any
 from hsx import __version__ as hsx_version
 
 from . import store
+from .plan import split_dropped
 
 
 def files_digest(out: Path, rels: list[str]) -> dict[str, dict[str, Any]]:
@@ -31,6 +32,7 @@ def finalize(out: Path, fmt: Any, ctx: Any, plan: dict[str, Any], done: dict[int
              settings: dict[str, Any]) -> dict[str, Any]:
     """Run the format's finalize and write hsx_corpus.json; returns its content."""
     records = sorted((i, e["record"]) for i, e in done.items())
+    failures, dropped = split_dropped(failed)
     written = list(fmt.finalize(out, records, ctx) or [])
     for rel in written:
         store.fsync_dir((out / rel).parent)
@@ -69,12 +71,15 @@ def finalize(out: Path, fmt: Any, ctx: Any, plan: dict[str, Any], done: dict[int
         "counts": {
             "planned": len(plan["keys"]),
             "done": len(done),
-            "failed": len(failed),
+            "failed": len(failures),
+            "dropped": len(dropped),  # no supervised token after truncation: not a failure
+            "truncated": sum(1 for e in done.values() if e.get("truncated_from")),
             "bad_rows": plan.get("bad_rows", 0),
             "input_samples": plan.get("num_input_samples"),
             "tokens": sum(int(e.get("tokens", 0)) for e in done.values()),
         },
-        "failed_indices": sorted(failed),
+        "failed_indices": sorted(failures),
+        "dropped_indices": sorted(dropped),
         "finalize_files": files_digest(out, written),
     }
     store.write_json_atomic(out / store.CORPUS_NAME, corpus)

@@ -10,7 +10,10 @@
             410 means they may have been overwritten and the sample is asked again.
 
 Failures of one sample: 400/422/413 (and other 4xx) and a format that cannot encode the
-response are permanent (`bad_request`, `too_large`, `encode`). A sample on which every
+response are permanent (`bad_request`, `too_large`, `encode`). A sample with no supervised
+token after truncation is *dropped*, not failed (kind `dropped`): every request carries
+`require_supervised`, so the server refuses it (422 no_supervised_tokens) before the
+prefill; a response whose mask is all zero anyway is dropped here too. A sample on which every
 attempt got a 5xx is `server_error` and retried by the next run, as is one whose lease
 kept expiring (`lease_expired`). If the servers are unreachable beyond the retries,
 authentication fails, many samples in a row fail with 5xx, or storing fails (disk full),
@@ -40,7 +43,10 @@ from typing import Any
 
 from . import store
 from .api import HsxClient, Lease, RawResponse
-from .errors import AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError
+from .errors import (
+    AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError, ServersUnreachableError,
+)
+from .plan import DROPPED
 from .progress import Progress
 
 log = logging.getLogger("hsx.extract")
@@ -51,6 +57,13 @@ EXIT_INTERRUPTED = 130
 
 class SampleEncodeError(Exception):
     """The format refused a response (recorded as a permanent failure)."""
+
+
+class SampleDropped(Exception):
+    """The response has nothing to train on (recorded as dropped, not failed)."""
+
+
+NO_SUPERVISED = "no_supervised_tokens"  # the server's error type for require_supervised
 
 
 @dataclass
@@ -98,6 +111,7 @@ class RunState:
             body.setdefault("max_length", s["max_length"])
             body.setdefault("truncation", s["truncation"])
         body.setdefault("id", sample.key)
+        body.setdefault("require_supervised", True)  # refused before the prefill (dropped)
         return body
 
 
@@ -235,6 +249,9 @@ class RunLoop:
             if st.stopping:
                 return None  # abandoned: not done, redone on resume
             raise
+        except ServersUnreachableError as exc:
+            self._stop_on(exc, "servers unreachable")
+            return None
         except RetriesExhaustedError as exc:
             if isinstance(exc.last_error, ServerError):
                 st.consecutive_5xx += 1
@@ -248,7 +265,10 @@ class RunLoop:
             self._stop_on(exc, "authentication failed")
             return None
         except HsxError as exc:  # 400/422/413/other 4xx: the sample is bad
-            self._fail(index, {413: "too_large"}.get(exc.status or 0, "bad_request"), exc)
+            if exc.type == NO_SUPERVISED:
+                self._fail(index, DROPPED, exc)
+            else:
+                self._fail(index, {413: "too_large"}.get(exc.status or 0, "bad_request"), exc)
             return None
         st.consecutive_5xx = 0
         return raw
@@ -273,6 +293,9 @@ class RunLoop:
                 await loop.run_in_executor(self._pool, st.manifest.append, entry)
         except SampleEncodeError as exc:
             self._fail(index, "encode", exc)
+            return
+        except SampleDropped as exc:
+            self._fail(index, DROPPED, exc)
             return
         except asyncio.CancelledError:
             raise  # the worker ends (a stop cancels requests, never stores: this came from outside)
@@ -302,18 +325,27 @@ class RunLoop:
         st = self.state
         try:
             decoded = raw.decode()
+        except Exception as exc:
+            raise SampleEncodeError(f"{type(exc).__name__}: {exc}") from exc
+        if decoded.loss_mask is not None and not decoded.loss_mask.any():
+            raise SampleDropped("no supervised token: the loss mask is all zero")
+        try:
             out = st.fmt.encode_sample(index, decoded, st.ctx)
         except Exception as exc:
             raise SampleEncodeError(f"{type(exc).__name__}: {exc}") from exc
         files = store.write_files_atomic(st.out, out.files)
+        tokens = int(len(decoded.token_ids))
         entry = {
             "key": st.keys[index],
             "index": index,
             "files": files,
             "record": out.record,
-            "tokens": int(len(decoded.token_ids)),
+            "tokens": tokens,
             "request_id": raw.request_id,
         }
+        before = int(decoded.metadata.get("num_input_tokens") or 0)
+        if before > tokens:  # the server cut it (--max-length / --truncation)
+            entry["truncated_from"] = before
         if record:
             st.manifest.append(entry)
         return entry, sum(f["size"] for f in files.values())
@@ -322,13 +354,16 @@ class RunLoop:
         st = self.state
         entry: dict[str, Any] = {"index": index, "key": st.keys[index], "kind": kind, "time": time.time()}
         if isinstance(exc, HsxError):
+            message = exc.message
+            if kind == "too_large":  # the server names its API fields; say the flags
+                message += " [hsx extract: --max-length N with --truncation right or left cuts such samples]"
             entry.update(
-                status=exc.status, type=exc.type, message=exc.message, request_id=exc.request_id, server=exc.server
+                status=exc.status, type=exc.type, message=message, request_id=exc.request_id, server=exc.server
             )
         else:
             entry.update(message=f"{type(exc).__name__}: {exc}")
         st.failed_log.append(entry)
         st.failed[index] = entry
-        st.progress.sample_failed()
+        st.progress.sample_failed(dropped=kind == DROPPED)
         if self.hooks.on_failed is not None:
             self.hooks.on_failed(st, index, entry)

@@ -16,7 +16,10 @@ import httpx
 
 from hsx_client import shm
 
-from .errors import ConnectionFailedError, HsxError, RetriesExhaustedError, ServerBusyError, ServerError
+from .errors import (
+    ConnectionFailedError, HsxError, RequestTimeoutError, RetriesExhaustedError, ServerBusyError, ServerError,
+    ServersUnreachableError,
+)
 
 T = TypeVar("T")
 
@@ -29,6 +32,7 @@ class ServerState:
     capacity: int
     in_flight: int = 0
     ok: int = 0
+    refused: int = 0  # 4xx answers about the request itself (bad input, a row dropped by policy)
     retries: int = 0
     errors: int = 0
     healthy: bool = True
@@ -44,11 +48,14 @@ class ServerState:
     arena: shm.ArenaMap | None = None  # same-host lease mapping, once attached
     arena_note: str | None = None  # why leases are not used with this server
     arena_lock: asyncio.Lock | None = None
+    answered: bool = False  # some HTTP answer (any status) came back from it once
+    unreachable: bool = False  # its first contact failed to connect: set aside for this client's life
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "in_flight": self.in_flight,
             "ok": self.ok,
+            "refused": self.refused,
             "retries": self.retries,
             "errors": self.errors,
             "healthy": self.healthy,
@@ -110,9 +117,29 @@ class ServerSet:
         except asyncio.TimeoutError:
             pass
 
+    def first_contact_failed(self, s: ServerState, error: HsxError) -> bool:
+        """A connection error from a server that never answered sets it aside for good
+        (only servers that answered once are retried). True when it did."""
+        connect = isinstance(error, ConnectionFailedError) and not (
+            isinstance(error, RequestTimeoutError) and error.type != "connect_timeout")
+        if connect and not s.answered:
+            s.unreachable, s.healthy = True, False
+            s.last_error = error.message
+            return True
+        return False
+
+    def unreachable_error(self) -> ServersUnreachableError | None:
+        if not all(s.unreachable for s in self.servers):
+            return None
+        why = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
+        return ServersUnreachableError(
+            f"no server answered ({why}); is `hsx serve` running there? check the URL and port",
+            type="unreachable",
+        )
+
     def _start_due_probes(self, now: float) -> None:
         for s in self.servers:
-            if not s.healthy and not s.probing and s.unhealthy_until <= now:
+            if not s.healthy and not s.probing and not s.unreachable and s.unhealthy_until <= now:
                 s.probing = True
                 task = asyncio.get_running_loop().create_task(self._probe(s))
                 self._probe_tasks.add(task)
@@ -144,6 +171,9 @@ class ServerSet:
         while True:
             if self.closed:
                 raise RuntimeError("HsxClient is closed")
+            gone = self.unreachable_error()
+            if gone is not None:
+                raise gone
             now = time.monotonic()
             self._start_due_probes(now)
             healthy = [s for s in self.servers if s.healthy]
@@ -155,24 +185,29 @@ class ServerSet:
                 best.last_pick = self._picks
                 return best
             if healthy:
-                due = [s.unhealthy_until - now for s in self.servers if not s.healthy and not s.probing]
+                due = [s.unhealthy_until - now for s in self.servers
+                       if not s.healthy and not s.probing and not s.unreachable]
                 await self._wait_change(max(0.01, min(due)) if due else None)
                 continue
             # Nothing healthy: wait for a probe; a failed one costs this request an attempt.
             if self._probe_failures > failures_at_start:
                 last = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
                 raise ConnectionFailedError(f"no healthy server ({last})", type="no_healthy_server")
-            due = [s.unhealthy_until - now for s in self.servers if not s.probing]
+            due = [s.unhealthy_until - now for s in self.servers if not s.probing and not s.unreachable]
             await self._wait_change(max(0.01, min(due)) if due else None)
 
     def release(self, s: ServerState, error: HsxError | None) -> None:
         s.in_flight -= 1
         if error is None:
             s.ok += 1
+        elif error.status is not None and 400 <= error.status < 500 and not error.retryable:
+            s.refused += 1  # the server did its job; the request was refused (not a server error)
         else:
             s.errors += 1
             s.last_error = str(error)
-            if isinstance(error, ServerBusyError):
+            if self.first_contact_failed(s, error):
+                pass
+            elif isinstance(error, ServerBusyError):
                 s.busy_until = time.monotonic() + (error.retry_after or self.backoff_base)
             elif isinstance(error, (ConnectionFailedError, ServerError)):
                 s.healthy = False
@@ -206,6 +241,9 @@ class ServerSet:
             failed: ServerState | None = None
             try:
                 server = await self.acquire()
+            except ServersUnreachableError as exc:
+                exc.request_id = exc.request_id or rid
+                raise
             except ConnectionFailedError as exc:
                 exc.request_id = exc.request_id or rid
                 last = exc
@@ -236,6 +274,12 @@ class ServerSet:
                 break
             if failed is not None:
                 failed.retries += 1
+                if failed.unreachable:  # set aside for good: try the others at once, no backoff
+                    gone = self.unreachable_error()
+                    if gone is not None:
+                        gone.request_id = rid
+                        raise gone
+                    continue
             await asyncio.sleep(self._backoff(attempt, last, failed))
         assert last is not None
         raise RetriesExhaustedError(

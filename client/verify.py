@@ -4,7 +4,10 @@
 `verify_corpus` checks a whole corpus directory against its plan and manifest and
 writes `verify.json` listing the bad samples, which the next `hsx extract` redoes.
 Samples a format renumbered in finalize (speculators compacts failed indices away;
-`hsx_compaction.json`) are checked under their new index.
+`hsx_compaction.json`) are checked under their new index, or under the old one while
+the compaction is unfinished (a crash between the journal and the last rename: the
+sample is intact under its old name, and the next `hsx extract` finishes the moves).
+Verify never calls such a sample bad or missing, so it never strands the corpus.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import store
-from .plan import ConfigError, failed_for_good, load_plan
+from .plan import ConfigError, failed_for_good, load_plan, split_dropped
 
 
 def verify_samples(
@@ -41,8 +44,10 @@ def verify_samples(
         if i >= len(keys) or e.get("key") != keys[i]:
             problems.append(f"manifest key {e.get('key')!r} is not the plan's for index {i}")
         now = moved.get(i, i)
-        if now != i:  # renumbered by finalize: same bytes under the new index's name
+        if now != i and not _still_at_old_name(out, e):  # renumbered: same bytes under the new index's name
             e = dict(e, files={renumbered_path(fmt, rel, i, now): m for rel, m in e.get("files", {}).items()})
+        elif now != i:  # the compaction stopped before this move: check it where it still is
+            now = i
         problems += store.check_checksums(out, e)
         if not problems:
             try:
@@ -75,6 +80,12 @@ def compaction_moves(out: Path) -> dict[int, int]:
     return {int(a): int(b) for a, b in json.loads(p.read_text()).get("moves", [])}
 
 
+def _still_at_old_name(out: Path, entry: dict[str, Any]) -> bool:
+    """A compaction move is one os.replace: while the old name exists, it was not done."""
+    files = entry.get("files", {})
+    return bool(files) and all((out / rel).exists() for rel in files)
+
+
 def renumbered_path(fmt: Any, rel: str, old: int, new: int) -> str:
     """The path of a sample file after finalize moved sample `old` to `new`."""
     for attr in ("hs_path", "ckpt_path"):
@@ -93,6 +104,7 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
     if not (out / store.PLAN_NAME).exists():
         raise ConfigError(f"{out} is not an hsx corpus (no {store.PLAN_NAME})")
     with store.DirLock(out).acquire("hsx verify"):
+        store.clean_temp_files(out)  # a killed writer's leftovers (finalize's .hsx_finalize... dir)
         if get_format is None:
             from .formats import get_format
         plan = load_plan(out)
@@ -111,20 +123,24 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
             for i in extra:
                 del done[i]
         failed = failed_for_good(out, n, done)
+        failures, dropped = split_dropped(failed)
         bad = verify_samples(out, fmt, keys, done, workers=workers, quiet=quiet)
         missing = [i for i in range(n) if i not in done and i not in failed]
         if missing:
             problems.append(f"{len(missing)} planned sample(s) not extracted yet (first: {missing[:10]})")
         corpus_path = out / store.CORPUS_NAME
         if not corpus_path.exists():
-            problems.append(f"no {store.CORPUS_NAME}: the run was not finalized")
+            problems.append(f"no {store.CORPUS_NAME}: the run was not finalized"
+                            + (" (a renumbering was interrupted)" if (out / store.COMPACTION_JOURNAL).exists() else "")
+                            + "; rerun the same `hsx extract` command to finish it")
         else:
             corpus = json.loads(corpus_path.read_text())
             counts = corpus.get("counts", {})
-            if counts.get("planned") != n or counts.get("done") != len(done) or counts.get("failed") != len(failed):
+            recorded = counts.get("failed", 0) + counts.get("dropped", 0)
+            if counts.get("planned") != n or counts.get("done") != len(done) or recorded != len(failed):
                 problems.append(
-                    f"{store.CORPUS_NAME} counts {counts.get('planned')}/{counts.get('done')}/{counts.get('failed')} "
-                    f"(planned/done/failed) do not match the manifest {n}/{len(done)}/{len(failed)}"
+                    f"{store.CORPUS_NAME} counts {counts.get('planned')}/{counts.get('done')}/{recorded} "
+                    f"(planned/done/not stored) do not match the manifest {n}/{len(done)}/{len(failed)}"
                 )
             for rel, meta in (corpus.get("finalize_files") or {}).items():
                 try:
@@ -139,7 +155,8 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
             "output": str(out),
             "planned": n,
             "done": len(done),
-            "failed": len(failed),
+            "failed": len(failures),
+            "dropped": len(dropped),
             "missing": len(missing),
             "bad_samples": len(bad),
             "bad": bad,

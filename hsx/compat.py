@@ -6,7 +6,7 @@ built against the CUDA torch and fail to load beside `torch==2.13.0+cpu`
 import. When that is detected, hsx hides them in this process and, through a
 sitecustomize on PYTHONPATH, in every child process (vLLM's engine and workers).
 `pip uninstall torchvision torchaudio torchcodec` is the clean fix; this keeps a plain
-`pip install 'hsx[cpu]'` working.
+`pip install 'hsx-hidden-states[cpu]'` working.
 """
 
 from __future__ import annotations

@@ -73,8 +73,11 @@ def main(argv: list[str]) -> int:
             return rc
         rc = verify_main([str(out), "--quiet"])
         print(f"[demo] corpus: {out} (verify exit {rc})")
-        print(f"[demo] try: curl -s --compressed -H 'Content-Type: application/json' "
-              f"-d '{{\"prompt\": \"Hello\"}}' {server.url}/hidden_states -o x.safetensors  (while a server runs)")
+        # The demo's server stops below: name a command that starts one, not its port.
+        print(f"[demo] the demo server is stopped now; to serve the same model yourself:\n"
+              f"  VLLM_CPU_KVCACHE_SPACE=1 hsx serve {model} {' '.join(args)} --port 8001\n"
+              f"  curl -s -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\"}}' "
+              f"http://localhost:8001/hidden_states -o x.safetensors")
         return rc
     finally:
         server.stop(60)

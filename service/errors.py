@@ -41,6 +41,12 @@ class BadInput(ServiceError):
     status, type = 400, "invalid_request"
 
 
+class NoSupervisedTokens(ServiceError):
+    """`require_supervised` and the (truncated) loss mask is all zero: nothing to train on."""
+
+    status, type = 422, "no_supervised_tokens"
+
+
 class TooLarge(ServiceError):
     status, type = 413, "too_large"
 

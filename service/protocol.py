@@ -35,6 +35,11 @@ class HiddenStatesRequest(BaseModel):
     truncation: Literal["error", "right", "left"] = Field(
         "error", description="Over max_length: refuse, or drop tokens at the end / at the start"
     )
+    require_supervised: bool = Field(
+        False,
+        description="Refuse (422 no_supervised_tokens) an input whose loss mask, after truncation, "
+        "supervises no token; checked before the engine, so such a row costs no prefill",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> "HiddenStatesRequest":
@@ -75,6 +80,7 @@ class TokenizeResponse(BaseModel):
     chat_template_sha256: str
     request_id: str
     caller_id: str
+    num_input_tokens: int | None = Field(None, description="Tokens before truncation (hsx extract's disk estimate)")
 
 
 class ErrorDetail(BaseModel):

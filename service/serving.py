@@ -22,7 +22,7 @@ from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, MEDIA_TYPE, TensorSpec, encode_he
 from hsx_service.admission import AdmissionGate, Ticket
 from hsx_service.arena import Reservation
 from hsx_service.engine import Extractor
-from hsx_service.errors import BadInput, TooLarge
+from hsx_service.errors import BadInput, NoSupervisedTokens, TooLarge
 from hsx_service.lease import Leases
 from hsx_service.metrics import Metrics
 from hsx_service.protocol import HiddenStatesRequest
@@ -44,6 +44,7 @@ class Prepared:
     encoded: Encoded
     layer_ids: list[int]
     layer_index: list[int]
+    input_tokens: int  # before truncation (the reply's metadata says so: the client counts cut rows)
 
 
 @dataclass
@@ -148,10 +149,21 @@ class HiddenStatesService:
         mask = enc.loss_mask[sl] if enc.loss_mask is not None else None
         return Encoded(enc.token_ids[sl], mask, enc.mask_source)
 
+    @staticmethod
+    def _check_supervised(enc: Encoded, req: HiddenStatesRequest, input_tokens: int) -> None:
+        """A training row must have a supervised token (shared/DESIGN.md); refusing here,
+        before admission and the prefill, makes a row that truncation emptied cheap."""
+        if req.require_supervised and enc.loss_mask is not None and not any(enc.loss_mask):
+            cut = (f" after {req.truncation} truncation from {input_tokens} to {len(enc.token_ids)} tokens"
+                   if input_tokens > len(enc.token_ids) else "")
+            raise NoSupervisedTokens(f"no supervised token{cut}: the loss mask is all zero")
+
     async def prepare(self, req: HiddenStatesRequest) -> Prepared:
         layer_ids, layer_index = self._layers(req.layers)
         enc = await self._encode(req)  # templating and tokenizing: in the pool's processes
-        return Prepared(self._truncate(enc, req), layer_ids, layer_index)
+        cut = self._truncate(enc, req)
+        self._check_supervised(cut, req, len(enc.token_ids))
+        return Prepared(cut, layer_ids, layer_index, len(enc.token_ids))
 
     async def tokenize(self, req: HiddenStatesRequest, request_id: str) -> dict:
         """POST /tokenize: the token ids and loss mask /hidden_states would prefill for
@@ -170,6 +182,7 @@ class HiddenStatesService:
             "chat_template_sha256": (self.tokenizer.template_sha256 or "") if req.messages and not req.chat_template else "",
             "request_id": request_id,
             "caller_id": req.id or "",
+            "num_input_tokens": prep.input_tokens,
         }
 
     # ------------------------------------------------------------------- the request
@@ -281,6 +294,7 @@ class HiddenStatesService:
             "request_id": request_id,
             "caller_id": req.id or "",
             "chat_template_sha256": template or "",
+            "num_input_tokens": prep.input_tokens,
         }
 
     def release_lease(self, lease_id: str) -> bool:

@@ -326,14 +326,32 @@ def specforge_batches(out: Path, max_len: int = 512) -> dict[int, dict]:
     return res
 
 
-def check_speculators_corpus(out: Path, requests: dict[str, dict], max_length: int, side: str) -> int:
-    """Every planned sample is a speculators row, equal to the reference; returns rows."""
+def dropped_indices(out: Path) -> set[int]:
+    """Planned samples dropped by policy (no supervised token after truncation)."""
+    p = out / "failed.jsonl"
+    lines = [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+    return {e["index"] for e in lines if e.get("kind") == "dropped"}
+
+
+def stored_keys_by_row(out: Path) -> list[str]:
+    """The plan key of each speculators row: the planned samples not dropped, with
+    finalize's renumbering (hsx_compaction.json: old index -> the hole it moved into)."""
     keys = plan_keys(out)
+    kept = [i for i in range(len(keys)) if i not in dropped_indices(out)]
+    journal = out / "hsx_compaction.json"
+    moved = {new: old for old, new in json.loads(journal.read_text())["moves"]} if journal.exists() else {}
+    return [keys[moved.get(p, p)] for p in range(len(kept))]
+
+
+def check_speculators_corpus(out: Path, requests: dict[str, dict], max_length: int, side: str) -> int:
+    """Every planned sample not dropped is a speculators row, equal to the reference; returns rows."""
+    row_keys = stored_keys_by_row(out)
     rows = speculators_rows(out)
-    assert len(rows) == len(keys), f"{len(rows)} rows for {len(keys)} planned samples"
+    assert len(rows) == len(row_keys), f"{len(rows)} rows for {len(row_keys)} stored samples"
     for i, row in enumerate(rows):
         ids = row["input_ids"].tolist()
-        expected_sample(requests[keys[i]], ids, row["loss_mask"], max_length, side)
+        assert int(row["loss_mask"].sum()) > 0, f"row {i} has nothing to train on"
+        expected_sample(requests[row_keys[i]], ids, row["loss_mask"], max_length, side)
         t = len(ids)
         states = torch.cat([row["hidden_states"].reshape(t, 3, HIDDEN),
                             row["verifier_last_hidden_states"].reshape(t, 1, HIDDEN)], dim=1)
@@ -344,7 +362,8 @@ def check_speculators_corpus(out: Path, requests: dict[str, dict], max_length: i
 def check_specforge_corpus(out: Path, requests: dict[str, dict], max_length: int, side: str) -> int:
     keys = plan_keys(out)
     batches = specforge_batches(out)
-    assert sorted(batches) == list(range(len(keys))), f"SpecForge read {sorted(batches)} of {len(keys)}"
+    kept = [i for i in range(len(keys)) if i not in dropped_indices(out)]
+    assert sorted(batches) == kept, f"SpecForge read {sorted(batches)} of {len(kept)} stored samples"
     for i, t in batches.items():
         ids = t["input_ids"][0].tolist()
         n = len(ids)

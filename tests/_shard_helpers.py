@@ -84,8 +84,11 @@ def extract(out: Path, inputs: Path, *, shard: tuple[int, int] | None = None, se
         servers=["http://fake"], output=out, inputs=[str(inputs)], format=fmt, quiet=True, max_attempts=2,
         shard=ShardSpec(*shard) if shard else None, **settings,
     )
-    result = ex.run_extract(cfg, transport=httpx.MockTransport(server or FakeHsx()))
-    assert result.exit_code == 0, result.summary
+    server = server or FakeHsx()
+    result = ex.run_extract(cfg, transport=httpx.MockTransport(server))
+    # a corpus smaller than planned because samples failed exits 1 (issue 10), finalized all the same
+    assert result.exit_code == (1 if server.fail_keys else 0), result.summary
+    assert result.status == ("complete_with_failures" if server.fail_keys else "complete"), result.summary
     return result
 
 

@@ -77,7 +77,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model, log_dir):
-    """Random Llama, bf16 (the production dtype), default layers [2, 3, 6]."""
+    """Random Llama, bf16 (the production dtype), default layers [1, 2, 3, 6] (hsx.layers.default_layers(6))."""
     need_vllm()
     server = ServerProcess(str(tiny_model), "--dtype", "bfloat16", "--max-model-len", "1024",
                            log_dir=log_dir, name="tiny")

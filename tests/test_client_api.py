@@ -22,6 +22,7 @@ from hsx_client.errors import (
     ConnectionFailedError,
     PayloadTooLargeError,
     RetriesExhaustedError,
+    ServersUnreachableError,
     ServerError,
 )
 
@@ -288,30 +289,80 @@ async def test_unhealthy_server_probed_then_reused():
         log.append(request.url.path)
         if request.url.path == "/health":
             return httpx.Response(200)
-        if log.count("/hidden_states") == 1:
+        if log.count("/hidden_states") == 2:  # it answered once before: a blip, retried
             raise httpx.ConnectError("refused")
         return ok_response(request)
 
     async with fast_client(["http://a"], httpx.MockTransport(handler), unhealthy_cooldown=0.1) as c:
+        await c.hidden_states(input_ids=[2])
         t0 = time.monotonic()
         d = await c.hidden_states(input_ids=[3])
         assert time.monotonic() - t0 >= 0.09  # waited for the cooldown
         assert d.token_ids.tolist() == [3]
         assert c.stats()["http://a"]["healthy"]
-    assert log == ["/hidden_states", "/health", "/hidden_states"]
+    assert log == ["/hidden_states", "/hidden_states", "/health", "/hidden_states"]
 
 
 async def test_all_servers_down_exhausts():
+    """Servers that answered once and then all went down: bounded retries, then give up."""
+    down = False
+
     def handler(request):
-        raise httpx.ConnectError("connection refused")
+        if down:
+            raise httpx.ConnectError("connection refused")
+        return ok_response(request)
 
     async with fast_client(["http://a", "http://b"], httpx.MockTransport(handler), max_attempts=4) as c:
+        await asyncio.gather(c.hidden_states(input_ids=[1]), c.hidden_states(input_ids=[2]))
+        down = True
         t0 = time.monotonic()
         with pytest.raises(RetriesExhaustedError) as ei:
             await c.hidden_states(input_ids=[1])
         assert time.monotonic() - t0 < 5
     assert isinstance(ei.value.last_error, ConnectionFailedError)
     assert ei.value.attempts == 4
+
+
+async def test_servers_that_never_answered_fail_at_once():
+    """A wrong port: one clear error within a second, no retry storm (issue 10: 132 s of
+    silence before), naming every URL."""
+    asked = []
+
+    def handler(request):
+        asked.append(request.url.host)
+        raise httpx.ConnectError("[Errno 111] Connection refused")
+
+    async with fast_client(["http://a", "http://b"], httpx.MockTransport(handler), max_attempts=10) as c:
+        t0 = time.monotonic()
+        with pytest.raises(ServersUnreachableError) as ei:
+            await c.hidden_states(input_ids=[1])
+        assert time.monotonic() - t0 < 1
+        assert "http://a" in str(ei.value) and "http://b" in str(ei.value) and "hsx serve" in str(ei.value)
+        assert sorted(asked) == ["a", "b"]  # one connection attempt each
+        with pytest.raises(ServersUnreachableError):  # and later calls fail at once too
+            await c.info()
+        assert len(asked) == 2
+
+
+async def test_the_readme_snippet_against_a_dead_url_fails_within_seconds():
+    """README's library snippet, on a real socket where nothing listens."""
+    t0 = time.monotonic()
+    with pytest.raises(ServersUnreachableError, match="ConnectError"):
+        async with HsxClient([dead_url()]) as client:
+            await client.hidden_states(messages=[{"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": "Hello!"}])
+    assert time.monotonic() - t0 < 5
+
+
+async def test_a_server_that_never_answered_is_set_aside_the_others_serve(live_server):
+    url, app = live_server
+    app.mode = "ok"
+    dead = dead_url()
+    async with fast_client([dead, url]) as c:
+        for i in range(4):
+            assert (await c.hidden_states(input_ids=[i])).token_ids.tolist() == [i]
+        st = c.stats()
+        assert st[dead]["errors"] == 1 and st[url]["ok"] == 4  # tried once, never again
 
 
 async def test_least_loaded_and_bounded_concurrency():

@@ -119,6 +119,8 @@ class FakeServer:
             raise httpx.ConnectError("connection refused")
         if path == "/health":
             return httpx.Response(200)
+        if path == "/tokenize":  # (an older server: the disk estimate counts characters)
+            return httpx.Response(404, json={"detail": "Not Found"})
         if path == "/info":
             return httpx.Response(200, json={
                 "model": "tiny", "model_revision": "r1", "layer_ids": [1, 2, 3, 4], "num_hidden_layers": 4,
@@ -213,7 +215,7 @@ def test_the_run_loop_reports_through_its_hooks(tmp_path, data):
         on_end=lambda run: events.append(("end", len(run.done), len(run.failed))),
     )
     r = ex.run_extract(cfg_for(data, out), hooks(fmt), transport=httpx.MockTransport(srv), run_hooks=hooks_)
-    assert r.exit_code == 0 and r.summary["finalize_s"] >= 0
+    assert r.exit_code == 1 and r.status == "complete_with_failures" and r.summary["finalize_s"] >= 0
     assert events[0] == ("start", N) and events[-1] == ("end", N - 1, 1)
     stored = [e for e in events if e[0] == "stored"]
     assert len(stored) == N - 1 and all(ok for _, _, ok in stored)
@@ -281,7 +283,11 @@ def test_bad_request_recorded_and_skipped(tmp_path, data):
     fmt, srv = FakeFormat(), FakeServer()
     srv.bad_ids = {3, 5}
     r = run(cfg_for(data, out), fmt, srv)
-    assert r.exit_code == 0 and r.summary["failed"] == 2 and r.summary["done"] == N - 2
+    # A corpus, but smaller than planned because samples failed: not a success (issue 10)
+    assert r.exit_code == 1 and r.summary["failed"] == 2 and r.summary["done"] == N - 2
+    assert r.status == "complete_with_failures" and "--retry-failed" in r.summary["message"]
+    assert r.summary["failed_reasons"] == [{"reason": "400 invalid: bad sample", "count": 2,
+                                            "example": r.summary["failed_reasons"][0]["example"]}]
     failed, _, _ = store.read_jsonl(out / store.FAILED_NAME)
     assert {f["key"] for f in failed} == {"in.jsonl:4", "in.jsonl:6"}
     assert all(f["kind"] == "bad_request" and f["status"] == 400 for f in failed)
@@ -289,7 +295,7 @@ def test_bad_request_recorded_and_skipped(tmp_path, data):
     assert len(corpus["failed_indices"]) == 2 and corpus["counts"]["failed"] == 2
     assert verify_corpus(out, lambda name: fmt)["ok"]
     srv.requests.clear()
-    assert run(cfg_for(data, out), fmt, srv).exit_code == 0 and not srv.requests  # not retried
+    assert run(cfg_for(data, out), fmt, srv).exit_code == 1 and not srv.requests  # not retried, still not a success
     srv.bad_ids = set()
     r = run(cfg_for(data, out, retry_failed=True), fmt, srv)
     assert r.exit_code == 0 and r.summary["done"] == N and sum(srv.requests.values()) == 2

@@ -74,7 +74,7 @@ def test_truncation_instead_of_error(still_serving):
 
 
 def test_unknown_layer(still_serving):
-    assert_error(post(still_serving, {"input_ids": [1, 2], "layers": [2, 4]}), 400, "[4]", "[2, 3, 6]")
+    assert_error(post(still_serving, {"input_ids": [1, 2], "layers": [2, 4]}), 400, "[4]", "[1, 2, 3, 6]")
 
 
 def test_loss_mask_length_mismatch(still_serving):

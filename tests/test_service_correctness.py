@@ -35,7 +35,7 @@ def check_against_reference(model_dir, dec, tol):
 def test_info_reports_default_layers(tiny_server):
     info = httpx.get(tiny_server.url + "/info").json()
     assert info["num_hidden_layers"] == 6
-    assert info["layer_ids"] == [2, 3, 6]  # [2, N//2, N-3, N] deduplicated
+    assert info["layer_ids"] == [1, 2, 3, 6]  # hsx.layers.default_layers(6)
     assert info["dtype"] == "bfloat16" and info["hidden_size"] == 128
     assert info["last_layer_pre_norm"] is True
 
@@ -49,7 +49,7 @@ def test_tiny_random_model_matches_transformers(tiny_server, tiny_model):
     assert r.headers["content-encoding"] == "zstd"
     dec = decode(r.content)
     assert dec.hidden_states.dtype == torch.bfloat16
-    assert dec.hidden_states.shape == (len(ids), 3, 128)
+    assert dec.hidden_states.shape == (len(ids), 4, 128)
     assert dec.token_ids.tolist() == ids
     assert dec.loss_mask is None
     check_against_reference(tiny_model, dec, BF16_TOL)
@@ -61,7 +61,7 @@ def test_metadata(tiny_server):
     assert r.headers["x-request-id"] == "abc123"
     meta = decode(r.content).metadata
     assert meta["request_id"] == "abc123" and meta["caller_id"] == "mine-1"
-    assert json.loads(meta["layer_ids"]) == [2, 3, 6]
+    assert json.loads(meta["layer_ids"]) == [1, 2, 3, 6]
     assert meta["last_layer_pre_norm"] == "true"
     assert meta["dtype"] == "bfloat16" and meta["hidden_size"] == "128"
     for key in ("model", "model_revision", "vllm_version", "hsx_version"):
@@ -73,7 +73,7 @@ def test_identity_encoding_when_not_accepted(tiny_server):
                    headers={"Accept-Encoding": "identity"})
     assert r.status_code == 200 and "content-encoding" not in r.headers
     assert int(r.headers["content-length"]) == len(r.content)
-    assert decode(r.content).hidden_states.shape == (4, 3, 128)
+    assert decode(r.content).hidden_states.shape == (4, 4, 128)
 
 
 def test_layer_subset_is_ascending_and_exact(tiny_server, tiny_model):
@@ -81,8 +81,8 @@ def test_layer_subset_is_ascending_and_exact(tiny_server, tiny_model):
     full = decode(post(tiny_server, {"input_ids": ids}).content)
     sub = decode(post(tiny_server, {"input_ids": ids, "layers": [6, 2]}).content)
     assert sub.layer_ids == [2, 6]
-    assert torch.equal(sub.hidden_states[:, 0], full.hidden_states[:, 0])
-    assert torch.equal(sub.hidden_states[:, 1], full.hidden_states[:, 2])
+    assert torch.equal(sub.hidden_states[:, 0], full.hidden_states[:, 1])  # served [1, 2, 3, 6]
+    assert torch.equal(sub.hidden_states[:, 1], full.hidden_states[:, 3])
 
 
 def test_curl_compressed_file_opens_with_safe_open(tiny_server, tmp_path):
@@ -100,9 +100,9 @@ def test_curl_compressed_file_opens_with_safe_open(tiny_server, tmp_path):
     from safetensors import safe_open
 
     with safe_open(str(out), "pt") as f:
-        assert f.get_tensor("hidden_states").shape == (5, 3, 128)
+        assert f.get_tensor("hidden_states").shape == (5, 4, 128)
         assert f.get_tensor("token_ids").tolist() == [1, 5, 6, 7, 8]
-        assert f.metadata()["layer_ids"] == "[2, 3, 6]"
+        assert f.metadata()["layer_ids"] == "[1, 2, 3, 6]"
 
 
 @pytest.mark.compat

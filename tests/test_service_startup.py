@@ -16,7 +16,19 @@ from hsx_service.errors import StartupError
 def test_default_layers():
     assert default_layers(32) == [2, 16, 29, 32]
     assert default_layers(16) == [2, 8, 13, 16]
-    assert default_layers(5) == [2, 5]  # 2, 2, 2, 5 deduplicated
+    for n in range(8, 129):  # speculators' convention exactly
+        assert default_layers(n) == [2, n // 2, n - 3, n]
+    # Shallow models: collisions filled with the smallest unused id >= 1, then 0, so
+    # every model with N >= 3 gets a valid EAGLE-3 set (3 distinct aux ids < N, plus N).
+    assert default_layers(7) == [2, 3, 4, 7]
+    assert default_layers(6) == [1, 2, 3, 6]
+    assert default_layers(5) == [1, 2, 3, 5]  # the stories260K fixture: was [2, 5]
+    assert default_layers(4) == [1, 2, 3, 4]
+    assert default_layers(3) == [0, 1, 2, 3]
+    for n in range(3, 129):
+        ids = default_layers(n)
+        assert len(set(ids[:3])) == 3 and all(0 <= k < n for k in ids[:3]) and ids[3] == n
+    # Below that: what exists (the client refuses EAGLE-3 formats before any sample).
     assert default_layers(2) == [0, 1, 2]
     assert default_layers(1) == [0, 1]
 

@@ -170,7 +170,7 @@ def test_disk_space_refusal(tmp_path, monkeypatch):
     monkeypatch.setattr(store.shutil, "disk_usage", lambda p: Usage(10**12, 0, 10**9))
     with pytest.raises(store.InsufficientDiskError) as ei:
         store.check_disk_space(tmp_path / "new" / "dir", 2 * 10**9)
-    assert "--force-disk" in str(ei.value) and "2.1 GB" in str(ei.value)
+    assert "--force-disk" in str(ei.value) and "2.3 GB" in str(ei.value)
     est = store.check_disk_space(tmp_path, 2 * 10**9, force=True)
     assert not est.ok
     assert store.check_disk_space(tmp_path, 10**8).ok

@@ -55,6 +55,10 @@ class CorpusFormat(Protocol):
 
     def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]: ...
 
+    # Optional, checked before any sample is sent (a format without them has no such needs):
+    #   needs_final_norm: bool
+    #   layer_problem(layers, num_hidden_layers, served) -> str | None
+
 
 class CorpusFormatError(ValueError):
     """A response or a corpus that does not fit the format."""
@@ -81,6 +85,31 @@ def runs_to_mask(runs: list[int]) -> np.ndarray:
 
 def ids_crc(ids: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(ids, dtype="<i8").tobytes())
+
+
+def eagle3_layer_problem(name: str, layers: list[int], num_hidden_layers: int | None,
+                         served: list[int]) -> str | None:
+    """Why `layers` cannot make an EAGLE-3 corpus (3 auxiliary ids below N, plus N, the last
+    layer), with what to do; None when they can. Checked before any sample is sent (issue
+    10: a first run sent every sample and failed each one)."""
+    from hsx.layers import default_layers
+
+    n = num_hidden_layers
+    if n is None:
+        return None if len(layers) == 4 else f"{name} corpora (EAGLE-3) need 4 layers (3 aux + the last), got {layers}"
+    layers = sorted(layers)
+    if len(layers) == 4 and layers[-1] == n and layers[2] < n:
+        return None
+    head = f"{name} corpora (EAGLE-3) need 4 layers, 3 auxiliary ids below {n} plus {n} (the last); the run has {layers}"
+    if n < 3:
+        return f"{head}, and this model has only {n} decoder layer(s): too few for an EAGLE-3 draft"
+    aux = [k for k in served if k < n]
+    if n in served and len(aux) >= 3:
+        best = default_layers(n)
+        pick = best if set(best) <= set(served) else [*aux[:3], n]
+        return f"{head}: pass --layers {','.join(map(str, pick))} (the server serves {served})"
+    return (f"{head}: the server serves {served}; restart hsx serve with --layers "
+            f"{','.join(map(str, default_layers(n)))} (its default since hsx 0.1)")
 
 
 def state_bytes_per_token(ctx: CorpusContext) -> int:

@@ -14,7 +14,8 @@ import torch
 from hsx import dtypes
 from hsx_client import store
 from hsx_client.formats.common import (
-    FORMAT_FILE, CorpusContext, CorpusFormatError, SampleOutput, check_decoded, format_json, make_record,
+    FORMAT_FILE, CorpusContext, CorpusFormatError, SampleOutput, check_decoded, eagle3_layer_problem, format_json,
+    make_record,
     record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
 from hsx_client.postnorm import apply_final_norm
@@ -34,6 +35,10 @@ class SpecForgeFormat:
     """
 
     name = "specforge"
+    needs_final_norm = True  # hidden_state is the last layer after the final norm
+
+    def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
+        return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
 
     @staticmethod
     def ckpt_path(index: int) -> str:

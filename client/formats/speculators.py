@@ -15,7 +15,8 @@ import torch
 from hsx import dtypes, wire
 from hsx_client import store
 from hsx_client.formats.common import (
-    COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormatError, SampleOutput, check_decoded, format_json,
+    COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormatError, SampleOutput, check_decoded,
+    eagle3_layer_problem, format_json,
     make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
 from hsx_client.vocab import count_supervised, speculators_vocab_files
@@ -57,7 +58,11 @@ class SpeculatorsFormat:
     """
 
     name = "speculators"
+    needs_final_norm = False  # states stay pre-norm
     format_facts: dict = {}  # what a variant adds to hsx_format.json (speculators_variants.py)
+
+    def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
+        return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
 
     @staticmethod
     def hs_path(index: int) -> str:
