@@ -103,8 +103,8 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                    help=f"requests in flight per server (default {DEFAULTS.concurrency_per_server})")
     p.add_argument("--compression", choices=["auto", "zstd", "bf16split", "none"], default=env.compression,
                    help="response coding: zstd (~1.27x), bf16split (bf16 exponent planes, ~1.5x; zstd for "
-                        "other dtypes), none; auto = none from local servers, bf16split from servers on "
-                        "other hosts, where the bytes saved are worth the CPU (default auto; env HSX_COMPRESSION)")
+                        "other dtypes), none; auto = none from local servers, zstd from servers on "
+                        "other hosts (bf16split measured slower to decode, bench/README.md) (default auto; env HSX_COMPRESSION)")
     p.add_argument("--transfer", choices=["auto", "http"], default=env.transfer,
                    help="auto: a server on this host hands over the states in shared memory (a lease) "
                         "instead of an HTTP body, when it offers that and this process may map it; "

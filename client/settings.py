@@ -27,7 +27,7 @@ class ClientSettings(BaseSettings):
     timeout: float = Field(600.0, gt=0, description="seconds per request")
     max_attempts: int = Field(10, ge=1, description="attempts per request before giving up")
     compression: Literal["auto", "zstd", "bf16split", "none"] = Field(
-        "auto", description="response coding: auto = identity from local servers, bf16split from others"
+        "auto", description="response coding: auto = identity from local servers, zstd from others"
     )
     transfer: Literal["auto", "http"] = Field(
         "auto", description="auto = same-host servers hand over the states in shared memory (leases)"

@@ -39,6 +39,10 @@ with open(sys.argv[1], "rb") as f:
 EOF
 fi
 rm -f "$stash/kit.tar.zst"
+# Tools the kit runs as programs (triton's ptxas, cuobjdump, ...) lost their exec bit on the
+# way into the kit: inductor died with "Permission denied: .../triton/backends/nvidia/bin/ptxas"
+# on the H200 (2026-12-01).
+find "$site" -path '*/bin/*' -type f -exec chmod +x {} +
 # The image's CUDA libraries serve torch 2.14 except NCCL, which the kit brings (tests/gpu/README.md).
 host_sp=$(cd / && env -u PYTHONPATH python3 -c "import importlib.util, os
 print(os.path.dirname(importlib.util.find_spec('torch').submodule_search_locations[0]))")
