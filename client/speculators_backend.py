@@ -49,7 +49,8 @@ import numpy as np
 import torch
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
-from .errors import AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError
+from .errors import (AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError,
+                     ServersUnreachableError)
 
 log = logging.getLogger("hsx.speculators")
 
@@ -155,7 +156,7 @@ class _Runtime:
         except AuthenticationError as exc:
             raise HsxSetupError(f"hsx servers {', '.join(s.servers)} refuse the API key (HSX_API_KEY, "
                                 f"--hsx-api-key-file): {exc}") from exc
-        except RetriesExhaustedError as exc:
+        except (RetriesExhaustedError, ServersUnreachableError) as exc:  # the latter: none ever answered
             raise HsxSetupError(f"hsx servers {', '.join(s.servers)} unreachable: {exc}") from exc
         served = [int(x) for x in info["layer_ids"]]
         corpus_path = Path(s.data_path) / "hsx_corpus.json"
@@ -218,6 +219,8 @@ class HsxTransfer(HiddenStatesTransfer):
             return rt.call(self._fetch(rt, int(file_idx), row_ids))
         except (AuthenticationError, HsxSetupError):
             raise
+        except ServersUnreachableError as exc:  # no server ever answered: infrastructure, not this row
+            raise HsxSetupError(f"hsx servers unreachable at row {file_idx}: {exc}") from exc
         except RetriesExhaustedError as exc:
             if not isinstance(exc.last_error, ServerError):  # unreachable, timing out or busy: not this row's fault
                 raise HsxSetupError(f"hsx servers unreachable or busy at row {file_idx}: {exc}") from exc

@@ -40,7 +40,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.fixtures, pytest.mark.slow]
 MAX_LENGTH = 384
 N = 24  # samples in the global plan: 12 per shard
 OASST = str(CHAT / "oasst" / "threads.messages.jsonl")
-FORMATS = {"speculators": ("per_turn", "left"), "specforge": ("all_turns", "right")}
+# left truncation for both: it keeps the supervised tail, so no row of the 24 is dropped for
+# having nothing to train on (right truncation dropped one for specforge) and every count is N.
+FORMATS = {"speculators": ("per_turn", "left"), "specforge": ("all_turns", "left")}
 
 
 @pytest.fixture(scope="module")
