@@ -49,11 +49,18 @@ class EngineGuard:
 
 
 class ServerProcess(_ServerProcess):
-    """`hsx serve` with the test environment and its log in `log_dir`."""
+    """`hsx serve` with the test environment and its log in `log_dir`.
+
+    Eager (`--enforce-eager`) unless `compiled`: on the 2-core CI box torch.compile made
+    every engine start ~3x slower (137 s against 47 s, measured 2026-12-01 under load),
+    and the suite starts dozens. The production (compiled) path keeps its own servers:
+    the correctness fixtures pass `compiled=True`."""
 
     def __init__(self, model: str, *args: str, log_dir: Path, env: dict[str, str] | None = None,
-                 name: str = "hsx") -> None:
+                 name: str = "hsx", compiled: bool = False) -> None:
         EngineGuard.starting_a_server()
+        if not compiled and "--enforce-eager" not in args:
+            args = (*args, "--enforce-eager")
         port = free_port()
         super().__init__(model, *args, log_path=log_dir / f"{name}-{port}.log", env=env or engine_env(), port=port)
 

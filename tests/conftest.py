@@ -88,14 +88,15 @@ def tiny_server(tiny_model, log_dir):
 @pytest.fixture(scope="session")
 def stories_server(log_dir):
     """The trained stories260K in fp32, every layer id 0..N, a real chat template,
-    prefix caching on and a small token budget per step, so long prompts are chunked."""
+    prefix caching on and a small token budget per step, so long prompts are chunked.
+    Compiled (torch.compile, as users run it): every other test server is eager."""
     need_vllm()
     need_fixtures()
     server = ServerProcess(
         str(STORIES), "--dtype", "float32", "--layers", "0,1,2,3,4,5",
         "--enable-prefix-caching", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
         "--chat-template", str(TEMPLATES / "llama3.jinja"), "--trust-request-chat-template",
-        log_dir=log_dir, name="stories",
+        log_dir=log_dir, name="stories", compiled=True,  # the production (torch.compile) path's reference
     )
     yield server.wait_ready()
     server.stop()
