@@ -102,6 +102,7 @@ class RunState:
     consecutive_5xx: int = 0
     lease_redos: dict[int, int] = field(default_factory=dict)
     store_s: float = 0.0  # summed over samples: decode, encode, write, fsync (bench's profile)
+    worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # --workers: their clients' stats, summed
 
     def request_body(self, index: int) -> dict[str, Any]:
         sample = self.by_key[self.keys[index]]

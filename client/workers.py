@@ -115,17 +115,18 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """A worker process's entry (module level: 'spawn' imports it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it tells us to stop
     outbox = _Outbox(conn)
+    books: dict[str, Any] = {}  # its client's counters and store time, for the parent's totals
     try:
-        fatal = asyncio.run(_work(conn, outbox, spec))
+        fatal = asyncio.run(_work(conn, outbox, spec, books))
     except BaseException as exc:  # noqa: BLE001: anything, reported as this worker's error
         fatal = f"{type(exc).__name__}: {exc}"
     try:
-        outbox.send(("exit", fatal))
+        outbox.send(("exit", fatal, books))
     except OSError:
         pass  # the parent is gone
 
 
-async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec) -> str | None:
+async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec, books: dict[str, Any]) -> str | None:
     from .api import HsxClient
 
     async with HsxClient(**spec.client_args) as client:
@@ -160,7 +161,10 @@ async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec) -> str | No
                     return
 
         threading.Thread(target=read, name="hsx-worker-feed", daemon=True).start()
-        await loop.run([])
+        try:
+            await loop.run([])
+        finally:
+            books.update(stats=client.stats(), store_s=state.store_s)
         return None if state.fatal is None else str(state.fatal)
 
 
@@ -302,6 +306,9 @@ class WorkerPool:
             st.progress.write(msg[1])
         elif kind == "exit":
             w.reported_exit = True
+            books = msg[2] if len(msg) > 2 else {}
+            st.store_s += books.get("store_s", 0.0)
+            add_stats(st.worker_stats, books.get("stats", {}))
             if msg[1] is not None:
                 self._stop_on(WorkerError(msg[1]), msg[1])
 
@@ -322,6 +329,16 @@ class WorkerPool:
                                       f"{w.proc.exitcode}); rerun the same command to resume"), "workers died")
         elif not self.state.stopping and (pending or live):
             live.append(self._start())
+
+
+def add_stats(total: dict[str, dict[str, Any]], one: dict[str, dict[str, Any]]) -> None:
+    """HsxClient.stats() of a worker added into `total`: numbers summed per server, the
+    rest (healthy, last_error) the latest seen."""
+    for url, counters in one.items():
+        mine = total.setdefault(url, {})
+        for k, v in counters.items():
+            summable = isinstance(v, (int, float)) and not isinstance(v, bool)
+            mine[k] = mine.get(k, 0) + v if summable else v
 
 
 def worker_spec(cfg: Any, state: RunState, *, workers: int, servers: list[str]) -> WorkerSpec:

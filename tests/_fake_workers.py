@@ -40,7 +40,7 @@ def fake_worker(conn, spec) -> None:
         except EOFError:
             return
         if msg[0] in ("end", "stop"):
-            conn.send(("exit", None))
+            conn.send(("exit", None, {"stats": {"u": {"ok": stored, "healthy": True}}, "store_s": 0.5}))
             return
         if s.get("error"):
             conn.send(("exit", s["error"]))

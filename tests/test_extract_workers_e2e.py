@@ -75,3 +75,27 @@ def test_a_sigkilled_worker_loses_and_doubles_nothing(e2e_pool, tmp_path):
     files = {e["index"]: e["files"] for e in manifest_lines(out)}
     assert files == {e["index"]: e["files"] for e in manifest_lines(ref)}  # same files, same checksums
     assert digests(out) == digests(ref)
+
+
+def test_ctrl_c_stops_the_workers_exits_130_and_resumes(e2e_pool, tmp_path):
+    """SIGINT to the parent's group (as a terminal sends it): the workers ignore it, the
+    parent tells them to stop, they finish their stores; exit 130, no worker left behind,
+    nothing broken; the same command then completes with every sample once."""
+    server = e2e_pool.get(1)
+    out = tmp_path / "corpus"
+    argv = extract_argv(server, out, *args(N), "--workers", "2", "--concurrency-per-server", "1")
+    cp = CliProcess(argv, tmp_path / "extract.log")
+    wait_for_manifest(cp, out, 3)
+    pids = worker_pids(cp.proc.pid)
+    os.killpg(cp.proc.pid, signal.SIGINT)
+    rc = cp.wait(60)
+    assert rc == 130, cp.output()[-3000:]
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    stored = set(stored_indices(out))
+    assert len(stored) < N, "the run finished before the interrupt"
+    assert not (out / "hsx_corpus.json").exists()
+
+    summary = run_extract(server, out, *args(N), "--workers", "2")
+    assert summary["status"] == "complete" and summary["samples_this_run"] == N - len(stored)
+    assert_each_index_once(out, N)
+    assert_verify_ok(out)

@@ -44,6 +44,7 @@ def test_every_sample_once_across_workers(tmp_path):
     st, pool, lines = run_pool(tmp_path, workers=3)
     assert sorted(lines) == list(range(N)) and st.fatal is None and pool.deaths == 0
     assert st.progress.samples == N
+    assert st.worker_stats == {"u": {"ok": N, "healthy": True}} and st.store_s == pytest.approx(1.5)
 
 
 @pytest.mark.parametrize("unsent", [False, True], ids=["after-its-line", "files-written-no-line"])
