@@ -37,7 +37,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any
 
 from .plan import DROPPED
@@ -46,6 +45,7 @@ from .run import RunHooks, RunLoop, RunState, StopSignals, default_write_workers
 log = logging.getLogger("hsx.extract")
 
 RESTARTS = 3  # worker deaths a run survives; more stop it, resumable
+CORPUS_FIELDS = ("fmt", "ctx", "out", "settings", "served_layers", "keys")
 
 
 class WorkerError(Exception):
@@ -57,12 +57,7 @@ class WorkerSpec:
     """What a worker process needs (pickled once, at its start)."""
 
     client_args: dict[str, Any]  # HsxClient(**client_args): servers, api key, timeouts, ...
-    fmt: Any
-    ctx: Any
-    out: Path
-    settings: dict[str, Any]
-    served_layers: list[int]
-    keys: list[str]
+    corpus: dict[str, Any]  # RunState's corpus side (CORPUS_FIELDS), as the parent has it
     concurrency: int  # requests in flight in this worker, over all servers
     write_workers: int
 
@@ -131,8 +126,7 @@ async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec, books: dict
 
     async with HsxClient(**spec.client_args) as client:
         state = RunState(
-            client=client, fmt=spec.fmt, ctx=spec.ctx, out=spec.out, settings=spec.settings,
-            served_layers=spec.served_layers, keys=spec.keys, by_key={},
+            client=client, **spec.corpus, by_key={},
             manifest=_LogToParent(outbox, "stored"), failed_log=_LogToParent(outbox, "failed"),
             done={}, failed={}, progress=_ProgressToParent(outbox),  # type: ignore[arg-type]
         )
@@ -327,7 +321,7 @@ class WorkerPool:
         if self.deaths > RESTARTS:
             self._stop_on(WorkerError(f"worker processes died {self.deaths} times (last exit code "
                                       f"{w.proc.exitcode}); rerun the same command to resume"), "workers died")
-        elif not self.state.stopping and (pending or live):
+        elif not self.state.stopping and pending:
             live.append(self._start())
 
 
@@ -351,7 +345,6 @@ def worker_spec(cfg: Any, state: RunState, *, workers: int, servers: list[str]) 
             max_attempts=cfg.max_attempts, unhealthy_cooldown=cfg.unhealthy_cooldown,
             compression=cfg.compression, transfer=cfg.transfer,
         ),
-        fmt=state.fmt, ctx=state.ctx, out=state.out, settings=state.settings,
-        served_layers=state.served_layers, keys=state.keys, concurrency=per_server * len(servers),
+        corpus={f: getattr(state, f) for f in CORPUS_FIELDS}, concurrency=per_server * len(servers),
         write_workers=cfg.write_workers or max(2, math.ceil(default_write_workers() / workers)),
     )

@@ -1,7 +1,7 @@
 """Worker-process stand-ins for tests/test_workers.py (module level: 'spawn' imports them).
 
 They speak hsx_client.workers' pipe protocol and store real files, but fetch nothing; how
-they misbehave is in spec.settings: `die_after` (SIGKILL themselves after that many stored
+they misbehave is in spec.corpus['settings']: `die_after` (SIGKILL themselves after that many stored
 samples; `die_once`: only the first worker to claim the marker file), `error` (report a
 fatal error), `unsent` (die after writing the files, before sending the line), `slow` (seconds per sample)."""
 
@@ -31,8 +31,8 @@ def _claim(out, name: str) -> bool:
 
 def fake_worker(conn, spec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    s = spec.settings
-    dies = s.get("die_after") is not None and (not s.get("die_once") or _claim(spec.out, "died"))
+    s, out = spec.corpus["settings"], spec.corpus["out"]
+    dies = s.get("die_after") is not None and (not s.get("die_once") or _claim(out, "died"))
     stored = 0
     while True:
         try:
@@ -47,7 +47,7 @@ def fake_worker(conn, spec) -> None:
             return
         for index, sample in msg[1]:
             time.sleep(s.get("slow", 0))
-            files = store.write_files_atomic(spec.out, {f"s/{index}.bin": sample.key.encode() * 100})
+            files = store.write_files_atomic(out, {f"s/{index}.bin": sample.key.encode() * 100})
             if dies and s.get("unsent") and stored + 1 >= s["die_after"]:  # files written, no line
                 os.kill(os.getpid(), signal.SIGKILL)
             conn.send(("stored", {"key": sample.key, "index": index, "files": files, "record": {}, "tokens": 3,

@@ -29,8 +29,7 @@ def run_pool(tmp_path, workers=2, stop_after=None, **behaviour):
         st = RunState(client=None, fmt=None, ctx=None, out=out, settings=behaviour, served_layers=[], keys=keys,
                       by_key={k: Sample(k, {}) for k in keys}, manifest=manifest, failed_log=failed, done={},
                       failed={}, progress=Progress(N, quiet=True))
-        spec = WorkerSpec(client_args={}, fmt=None, ctx=None, out=out, settings=behaviour, served_layers=[],
-                          keys=keys, concurrency=2, write_workers=2)
+        spec = WorkerSpec(client_args={}, corpus=dict(out=out, settings=behaviour), concurrency=2, write_workers=2)
         hooks = RunHooks(on_stored=lambda st, i, e: len(st.done) == stop_after and pool.request_stop("interrupted"))
         pool = WorkerPool(st, spec, workers=workers, hooks=hooks, target=fake_worker)
         asyncio.run(pool.run(list(range(N))))
@@ -84,3 +83,18 @@ def test_workers_flag_and_help():
     assert "--workers" in p.format_help()
     with pytest.raises(SystemExit):
         p.parse_args(["--output", "x", "--workers", "0"])
+
+
+def test_one_worker_is_the_in_process_loop_and_a_test_transport_stays_in_process(tmp_path):
+    from types import SimpleNamespace
+
+    from hsx_client.extract import ConfigError, ExtractConfig, Extractor
+    from hsx_client.run import RunLoop
+
+    client = SimpleNamespace(servers=["http://x"])
+    st = SimpleNamespace(**{f: None for f in ("fmt", "ctx", "out", "settings", "served_layers", "keys")})
+    assert type(Extractor(ExtractConfig(servers=["http://x"], output=tmp_path))._loop(st, client)) is RunLoop
+    two = ExtractConfig(servers=["http://x"], output=tmp_path, workers=2)
+    assert type(Extractor(two)._loop(st, client)) is WorkerPool
+    with pytest.raises(ConfigError, match="real connections"):
+        Extractor(two, transport=object())._loop(st, client)
