@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .settings import DEFAULTS, ClientSettings
+from .settings import DEFAULTS, ClientSettings, default_workers
 
 EXTRACT_EPILOG = """\
 exit codes:
@@ -109,6 +109,11 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                    help="auto: a server on this host hands over the states in shared memory (a lease) "
                         "instead of an HTTP body, when it offers that and this process may map it; "
                         "http: always bodies (default auto; env HSX_TRANSFER)")
+    p.add_argument("--workers", type=_positive, default=default_workers(), metavar="N",
+                   help="processes that receive, decode, hash and write samples, each with its own "
+                        "connections; this process alone writes the manifest (crash safety and resume "
+                        "unchanged). 1: all in this process. --concurrency-per-server is shared among "
+                        f"them (default min(cores, 8), 1 on <= 2 cores: {default_workers()} here)")
     p.add_argument("--api-key", default=env.api_key, help="bearer token (env HSX_API_KEY)")
     p.add_argument("--timeout", type=float, default=env.timeout,
                    help=f"seconds per request (default {DEFAULTS.timeout:.0f})")
@@ -176,6 +181,7 @@ def extract_main(argv: list[str] | None = None) -> int:
         retry_failed=args.retry_failed,
         force_disk=args.force_disk,
         quiet=args.quiet,
+        workers=args.workers,
         handle_signals=True,
         shard=shard,
     )

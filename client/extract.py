@@ -16,8 +16,9 @@
     leaves DIR as it was (no lock file, no directory it created);
  6. what is done and what is to do (hsx_client.plan), the disk it needs, refused when the
     disk cannot hold it;
- 7. the fan-out loop (hsx_client.run): each response decoded, encoded by the format, its
-    files stored atomically and only then its manifest line appended (fsync'ed);
+ 7. the fan-out loop (hsx_client.run; with --workers N over worker processes,
+    hsx_client.workers): each response decoded, encoded by the format, its files stored
+    atomically and only then its manifest line appended (fsync'ed) by this process;
  8. when every planned sample is done, failed or dropped: the format's finalize, then
     `hsx_corpus.json` (hsx_client.provenance), atomically.
 
@@ -54,6 +55,7 @@ from .provenance import finalize
 from .run import EXIT_INTERRUPTED, RunHooks, RunLoop, RunState
 from .settings import DEFAULTS
 from .verify import verify_corpus, verify_samples
+from .workers import WorkerPool, worker_spec
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
 EXIT_CODES = {
@@ -98,6 +100,7 @@ class ExtractConfig:
     force_disk: bool = False
     quiet: bool = False
     write_workers: int | None = None
+    workers: int = 1  # processes (hsx_client.workers); 1: the in-process loop (the CLI's default: the core count)
     handle_signals: bool = False
     shard: planning.ShardSpec | None = None  # --shard I/N: take slice I of the global plan
 
@@ -132,7 +135,7 @@ class Extractor:
         self.out = Path(cfg.output)
         self.transport = transport  # httpx transport, for tests
         self.run_hooks = run_hooks
-        self.loop: RunLoop | None = None
+        self.loop: RunLoop | WorkerPool | None = None
         self._stop_reason: str | None = None
         self._notes: list[str] = []  # said once the progress bar is up
         self._token_ratio: Any = None  # preflight.TokenCounts: the served tokenizer's counts of a sample
@@ -273,9 +276,7 @@ class Extractor:
                     served_layers=[int(x) for x in info["layer_ids"]], keys=keys, by_key=samples.by_key,
                     manifest=manifest, failed_log=failed_log, done=done, failed=failed, progress=progress,
                 )
-                self.loop = RunLoop(state, concurrency=cfg.concurrency_per_server * len(client.servers),
-                                    write_workers=cfg.write_workers, handle_signals=cfg.handle_signals,
-                                    hooks=self.run_hooks)
+                self.loop = self._loop(state, client)
                 if self._stop_reason is not None:
                     self.loop.request_stop(self._stop_reason)
                 try:
@@ -284,6 +285,16 @@ class Extractor:
                     progress.close()
                 run_summary = progress.summary()
         return self._result(state, plan, info, final_norm, settings, run_summary)
+
+    def _loop(self, state: RunState, client: HsxClient) -> RunLoop | WorkerPool:
+        cfg = self.cfg
+        if cfg.workers <= 1:
+            return RunLoop(state, concurrency=cfg.concurrency_per_server * len(client.servers),
+                           write_workers=cfg.write_workers, handle_signals=cfg.handle_signals, hooks=self.run_hooks)
+        if self.transport is not None:
+            raise ConfigError("workers > 1 need real connections (a test transport stays in this process)")
+        spec = worker_spec(cfg, state, workers=cfg.workers, servers=list(client.servers))
+        return WorkerPool(state, spec, workers=cfg.workers, handle_signals=cfg.handle_signals, hooks=self.run_hooks)
 
     def _what_is_done(self, fmt: Any, keys: list[str], manifest: store.JsonlLog):
         """(done, failed for good, how many stored samples are redone)."""

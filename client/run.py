@@ -23,7 +23,9 @@ Stopping (Ctrl-C, `request_stop`): no new sample starts, requests in flight are
 cancelled (those samples are simply not done), stores already running finish.
 
 `RunHooks` are the loop's small callbacks (the benchmark times the fan-out with them).
-The state the workers share is one `RunState`.
+The state the workers share is one `RunState`. With `--workers N` (hsx_client.workers)
+each worker process runs this loop open-ended (samples arrive through `add`), its
+manifest and failed log stand-ins sending the lines to the parent, the one writer.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ class RunState:
     consecutive_5xx: int = 0
     lease_redos: dict[int, int] = field(default_factory=dict)
     store_s: float = 0.0  # summed over samples: decode, encode, write, fsync (bench's profile)
+    worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # --workers: their clients' stats, summed
 
     def request_body(self, index: int) -> dict[str, Any]:
         sample = self.by_key[self.keys[index]]
@@ -136,18 +139,86 @@ class _HeldLease:
             pass
 
 
+def default_write_workers() -> int:
+    """Store threads of one loop: decode, hash and fsync release the GIL."""
+    return max(4, min(16, (os.cpu_count() or 4) * 2))
+
+
+class StopSignals:
+    """SIGINT/SIGTERM on the event loop: the first calls `request_stop("interrupted")`
+    (stores in progress finish), the second exits at once (the state stays resumable)."""
+
+    def __init__(self, request_stop: Callable[[str], None]) -> None:
+        self._request_stop = request_stop
+        self._count = 0
+        self._installed: list[signal.Signals] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig.name)
+                self._installed.append(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
+
+    def remove(self) -> None:
+        for sig in self._installed:
+            assert self._loop is not None
+            self._loop.remove_signal_handler(sig)
+        self._installed = []
+
+    def _on_signal(self, signame: str) -> None:
+        self._count += 1
+        if self._count > 1:
+            print(f"\nhsx extract: second {signame}, exiting now (state stays resumable)", file=sys.stderr)
+            os._exit(EXIT_INTERRUPTED)
+        print(
+            f"\nhsx extract: {signame}: finishing stores in progress, then exiting (again to exit at once)",
+            file=sys.stderr,
+        )
+        self._request_stop("interrupted")
+
+
 class RunLoop:
     def __init__(self, state: RunState, *, concurrency: int, write_workers: int | None = None,
-                 handle_signals: bool = False, hooks: RunHooks | None = None) -> None:
+                 handle_signals: bool = False, hooks: RunHooks | None = None, open_ended: bool = False) -> None:
         self.state = state
         self.concurrency = concurrency  # requests in flight over all servers
-        self.write_workers = write_workers or max(4, min(16, (os.cpu_count() or 4) * 2))
+        self.write_workers = write_workers or default_write_workers()
         self.handle_signals = handle_signals
         self.hooks = hooks or RunHooks()
         self.breaker = max(10, 2 * concurrency)  # this many 5xx samples in a row stop the run
         self._phase: dict[asyncio.Task[Any], str] = {}
-        self._sigints = 0
+        self._signals = StopSignals(self.request_stop)
         self._pool: ThreadPoolExecutor | None = None
+        # open_ended (a worker process, hsx_client.workers): samples keep arriving through
+        # `add` until `close_feed`; an empty queue then waits instead of ending the loop.
+        self._open = open_ended
+        self._more: asyncio.Event | None = None
+
+    # -------------------------------------------------------------- the feed (open-ended runs)
+    def add(self, indices: list[int]) -> None:
+        self.state.queue.extend(indices)
+        self._wake()
+
+    def close_feed(self) -> None:
+        self._open = False
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._more is not None:
+            self._more.set()
+
+    async def _wait_for_more(self) -> bool:
+        """True when the queue has a sample to take; False when the loop should end."""
+        st = self.state
+        while self._open and not st.queue and not st.stopping:
+            assert self._more is not None
+            self._more.clear()
+            await self._more.wait()
+        return bool(st.queue) and not st.stopping
 
     # -------------------------------------------------------------- control
     def request_stop(self, reason: str) -> None:
@@ -158,38 +229,23 @@ class RunLoop:
         for task, phase in list(self._phase.items()):
             if phase == "request":
                 task.cancel()
+        self._wake()
 
     def _stop_on(self, exc: BaseException, reason: str) -> None:
         self.state.fatal = exc
         self.request_stop(reason)
 
-    def _on_signal(self, signame: str) -> None:
-        self._sigints += 1
-        if self._sigints > 1:
-            print(f"\nhsx extract: second {signame}, exiting now (state stays resumable)", file=sys.stderr)
-            os._exit(EXIT_INTERRUPTED)
-        print(
-            f"\nhsx extract: {signame}: finishing stores in progress, then exiting (again to exit at once)",
-            file=sys.stderr,
-        )
-        self.request_stop("interrupted")
-
     # -------------------------------------------------------------- the loop
     async def run(self, todo: list[int]) -> None:
         st = self.state
-        if not todo:
+        if not todo and not self._open:
             return
         loop = asyncio.get_running_loop()
         st.queue.extend(todo)
+        self._more = asyncio.Event()
         self._pool = ThreadPoolExecutor(max_workers=self.write_workers, thread_name_prefix="hsx-store")
-        installed = []
         if self.handle_signals:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                try:
-                    loop.add_signal_handler(sig, self._on_signal, sig.name)
-                    installed.append(sig)
-                except (NotImplementedError, RuntimeError):
-                    pass
+            self._signals.install(loop)
 
         async def ticker() -> None:
             while True:
@@ -201,8 +257,8 @@ class RunLoop:
             if self.hooks.on_start is not None:
                 self.hooks.on_start(st)
             # Enough workers to keep every request slot busy while others are storing.
-            workers = [loop.create_task(self._worker())
-                       for _ in range(min(len(todo), self.concurrency + self.write_workers))]
+            slots = self.concurrency + self.write_workers
+            workers = [loop.create_task(self._worker()) for _ in range(slots if self._open else min(len(todo), slots))]
             for w in workers:
                 self._phase[w] = "idle"
             for r in await asyncio.gather(*workers, return_exceptions=True):
@@ -210,8 +266,7 @@ class RunLoop:
                     st.fatal = r
         finally:
             tick.cancel()
-            for sig in installed:
-                loop.remove_signal_handler(sig)
+            self._signals.remove()
             self._pool.shutdown(wait=True)
             if self.hooks.on_end is not None:
                 self.hooks.on_end(st)
@@ -221,7 +276,7 @@ class RunLoop:
         task = asyncio.current_task()
         assert task is not None
         try:
-            while not st.stopping and st.queue:
+            while not st.stopping and (st.queue or await self._wait_for_more()):
                 index = st.queue.popleft()
                 self._phase[task] = "request"
                 try:

@@ -11,6 +11,7 @@ flag > an environment variable > the default.
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -43,3 +44,16 @@ class ClientSettings(BaseSettings):
 
 
 DEFAULTS = ClientSettings.model_construct()  # the defaults alone, without the environment
+
+
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_workers(cores: int | None = None) -> int:
+    """`hsx extract --workers`' default: min(cores, 8), but 1 on <= 2 cores. There the
+    server (often on the same host), the parent and the workers would fight for the same
+    cores, and the in-process loop is the path every test measures; past 8 the parent's
+    manifest appends and the servers, not the client, are the limit."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 1 if cores <= 2 else min(cores, MAX_DEFAULT_WORKERS)

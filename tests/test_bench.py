@@ -30,6 +30,7 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
         "--prompts", str(prompts), "--prompt-len", str(length), "--concurrency", "4", "--warmup", "2",
         "--workdir", str(tmp_path / "work"), "--out", str(out), "--transfer", "auto,http", "--rss-soak", "1",
         "--codec", "bf16split", "--client-process",  # the remote path's coding; the client in its own tree
+        "--workers", "2",  # ... receiving and storing in two worker processes (hsx extract --workers)
     ]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
@@ -59,7 +60,7 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
     http = c["by_transfer"]["http"]
     assert http["requests"] == prompts and 0.3 * http["hs_bytes"] < http["wire_bytes"] < http["body_bytes"]
     assert http["corpus"]["ok"] and http["tokens_per_s"] > 0
-    assert http["client_process"] and r["client_process"]
+    assert http["client_process"] and r["client_process"] and r["workers"] == 2
     prof = http["client_profile"]
     assert prof["receive_s"] > 0 and prof["decode_s"] > 0 and prof["store_s"] > 0
     assert http["server_phases"]["compress"]["count"] == prompts  # bf16split bodies were coded on the pool

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-process", action="store_true",
                    help="(c): run the client in its own process tree (own session), over TCP to the server, "
                         "as a client on another host would be (loopback standing in for the network)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="(c): hsx extract --workers N (the client's worker processes; with --client-process "
+                        "they are children of the client's process tree) [1: the in-process loop]")
     p.add_argument("--dtype", default="bfloat16", help="engine --dtype for every mode [bfloat16]")
     p.add_argument("--max-model-len", type=int, help="engine --max-model-len [prompt length + 16]")
     p.add_argument("--enforce-eager", action="store_true", help="engine --enforce-eager (no torch.compile/graphs)")
@@ -222,6 +225,7 @@ def _run(args: argparse.Namespace, modes: list[str], workdir: Path) -> int:
         "codec": args.codec,
         "transfer": args.transfer,
         "client_process": args.client_process,
+        "workers": args.workers,
         "engine_flags": engine_flags,
         "server_args": args.server_arg,
         "hardware": hardware(),

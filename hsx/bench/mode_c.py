@@ -133,7 +133,7 @@ def _measure_in_own_process(ctx: dict[str, Any], args: argparse.Namespace, serve
     spec_path, out_path = workdir / f"client-{name}.json", workdir / f"client-{name}.result.json"
     spec = {"ctx": ctx, "url": server.url, "server_log": str(server.log_path), "inputs": str(inputs),
             "out_dir": str(out_dir), "prompts": prompts, "transfer": transfer, "timeout": timeout,
-            "args": {k: getattr(args, k) for k in ("concurrency", "compression", "codec")}}
+            "args": {k: getattr(args, k) for k in ("concurrency", "compression", "codec", "workers")}}
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
     log(f"(c) client in its own process tree (transfer {transfer})")
@@ -175,13 +175,13 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
 
     def on_end(run) -> None:
         timings["t1"] = time.monotonic()
-        timings["stats"] = run.client.stats()
+        timings["stats"] = run.worker_stats or run.client.stats()  # --workers: the workers' clients did the work
         timings["store_s"] = run.store_s
 
     cfg = ExtractConfig(
         servers=[server.url], output=out_dir, inputs=[str(inputs)], format="speculators",
         concurrency_per_server=args.concurrency, quiet=True, timeout=max(600.0, timeout),
-        compression=compression, transfer=transfer,
+        compression=compression, transfer=transfer, workers=getattr(args, "workers", 1),
     )
     log(f"(c) measuring {total} prompts x {ctx['prompt_len']} tokens, concurrency {args.concurrency}, "
         f"transfer {transfer}, coding {compression} -> {out_dir}")
@@ -206,6 +206,7 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     res["client_profile"] = {  # mean seconds per sample, summed over concurrent requests
         "receive_s": stats.get("receive_s", 0.0) / n, "decode_s": stats.get("decode_s", 0.0) / n,
         "store_s": timings.get("store_s", 0.0) / n, "concurrency": args.concurrency,
+        "workers": getattr(args, "workers", 1),
     }
     res["client_memory"] = {**own_memory(), "hwm_reset_before_run": hwm_reset}
     res["corpus"] = check_corpus(out_dir, prompts, ctx)
