@@ -21,6 +21,9 @@ import httpx
 _HEAD_LIMIT = 64 << 10
 _BUF = 4 << 20
 _SOCKBUF = 8 << 20
+# Flow control: reading pauses once this much is buffered unread (the reader is slow, or
+# gone), and resumes when it has taken the buffer below half of it.
+_HIGH_WATER = 16 << 20
 
 
 class _Conn(asyncio.BufferedProtocol):
@@ -33,6 +36,8 @@ class _Conn(asyncio.BufferedProtocol):
         self._filled = 0
         self._event = asyncio.Event()
         self.closed = False
+        self.paused = False
+        self.received = 0  # bytes of the current response (a reused connection that got none is retried)
 
     # -- protocol
     def connection_made(self, transport) -> None:
@@ -59,13 +64,22 @@ class _Conn(asyncio.BufferedProtocol):
         return memoryview(self._buf)[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.received += nbytes
         if self._target is not None:
             self._filled += nbytes
             if self._filled < len(self._target):
                 return  # wake the reader once per body, not once per recv
         else:
             self._end += nbytes
+            if self._end - self._start >= _HIGH_WATER and not self.paused and self.transport is not None:
+                self.paused = True
+                self.transport.pause_reading()
         self._event.set()
+
+    def _consumed(self) -> None:
+        if self.paused and self._end - self._start < _HIGH_WATER // 2 and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
 
     def eof_received(self) -> bool:
         self.closed = True
@@ -89,6 +103,7 @@ class _Conn(asyncio.BufferedProtocol):
             if i >= 0:
                 out = bytes(self._buf[self._start : i])
                 self._start = i + len(sep)
+                self._consumed()
                 return out
             if self._end - self._start > limit:
                 raise httpx.RemoteProtocolError("response head too large")
@@ -99,6 +114,7 @@ class _Conn(asyncio.BufferedProtocol):
         have = min(n, self._end - self._start)
         out[:have] = self._buf[self._start : self._start + have]
         self._start += have
+        self._consumed()
         if have < n:  # the rest is received straight into `out`
             self._target, self._filled = memoryview(out)[have:], 0
             try:
@@ -124,13 +140,32 @@ class FastTransport(httpx.AsyncBaseTransport):
         timeouts = request.extensions.get("timeout", {})
         key = (request.url.host, request.url.port or 80)
         body = await request.aread()
-        conn = await self._connect(key, timeouts.get("connect"))
+        conn, reused = await self._connect(key, timeouts.get("connect"))
+        try:
+            return await self._exchange(conn, key, request, body, timeouts)
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            if not reused or conn.received:
+                raise
+            # A pooled keep-alive connection the server had closed (its idle timeout) and
+            # that answered nothing: once more on a fresh one. Replaying is safe for what
+            # HsxClient sends: POST /hidden_states and /tokenize are pure functions of the
+            # body (a prefill, a tokenization), GET and DELETE /leases/ID are idempotent.
+            conn, _ = await self._connect(key, timeouts.get("connect"), fresh=True)
+            try:
+                return await self._exchange(conn, key, request, body, timeouts)
+            except httpx.HTTPError as again:
+                raise again from exc
+
+    async def _exchange(self, conn: _Conn, key, request: httpx.Request, body: bytes, timeouts) -> httpx.Response:
         try:
             head = [f"{request.method} {request.url.raw_path.decode('ascii')} HTTP/1.1".encode()]
             headers = [(k, v) for k, v in request.headers.raw if k.lower() != b"transfer-encoding"]
             if body and not any(k.lower() == b"content-length" for k, _ in headers):
                 headers.append((b"Content-Length", str(len(body)).encode()))
             head += [k + b": " + v for k, v in headers]
+            if conn.closed:
+                raise httpx.RemoteProtocolError("server closed the connection")
+            conn.received = 0
             conn.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
             status, resp_headers, content, keep = await asyncio.wait_for(
                 self._read_response(conn, request.method), timeouts.get("read")
@@ -144,6 +179,9 @@ class FastTransport(httpx.AsyncBaseTransport):
         except (OSError, ValueError) as exc:
             conn.transport.close()
             raise httpx.ReadError(f"{type(exc).__name__}: {exc}", request=request) from exc
+        except BaseException:  # cancelled (or worse) mid-exchange: the connection's state is unknown
+            conn.transport.close()
+            raise
         if keep and not conn.closed and len(self._idle[key]) < self._max_idle:
             self._idle[key].append(conn)
         else:
@@ -151,12 +189,13 @@ class FastTransport(httpx.AsyncBaseTransport):
         return httpx.Response(status, headers=resp_headers, stream=_Body(content),
                               extensions={"http_version": b"HTTP/1.1"})
 
-    async def _connect(self, key: tuple[str, int], timeout: float | None) -> _Conn:
+    async def _connect(self, key: tuple[str, int], timeout: float | None, fresh: bool = False) -> tuple[_Conn, bool]:
+        """(a connection, whether it is a reused one)."""
         idle = self._idle[key]
-        while idle:
+        while idle and not fresh:
             conn = idle.pop()
             if not conn.closed:
-                return conn
+                return conn, True
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(_Conn, key[0], key[1]), timeout)
@@ -164,7 +203,7 @@ class FastTransport(httpx.AsyncBaseTransport):
             raise httpx.ConnectTimeout(f"connect to {key[0]}:{key[1]} timed out") from exc
         except OSError as exc:
             raise httpx.ConnectError(f"{exc}") from exc
-        return conn
+        return conn, False
 
     @staticmethod
     async def _read_response(conn: _Conn, method: str):
@@ -179,26 +218,35 @@ class FastTransport(httpx.AsyncBaseTransport):
             k, _, v = line.partition(b":")
             headers.append((k.strip(), v.strip()))
         h = {k.lower(): v.lower() for k, v in headers}
-        keep = h.get(b"connection") != b"close"
+        tokens = {t.strip() for t in h.get(b"connection", b"").split(b",")}
+        # HTTP/1.1 persists unless told to close; HTTP/1.0 only when it says keep-alive.
+        keep = b"close" not in tokens and (parts[0] != b"HTTP/1.0" or b"keep-alive" in tokens)
         if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             return status, headers, b"", keep
-        if b"content-length" in h:
-            return status, headers, await conn.read_exactly(int(h[b"content-length"])), keep
-        if h.get(b"transfer-encoding", b"").endswith(b"chunked"):
+        chunked = h.get(b"transfer-encoding", b"").split(b",")[-1].strip() == b"chunked"
+        if chunked:
+            # RFC 9112 section 6.3: Transfer-Encoding overrides Content-Length, and a message
+            # with both may be an attempt at request smuggling: never reuse its connection.
+            keep = keep and b"content-length" not in h
             pieces = []
             while True:
                 size = int((await conn.read_until(b"\r\n", 1024)).split(b";")[0], 16)
                 if size == 0:
-                    await conn.read_until(b"\r\n", _HEAD_LIMIT)  # (no trailers expected)
+                    while await conn.read_until(b"\r\n", _HEAD_LIMIT):  # trailer fields, then an empty line
+                        pass
                     break
                 pieces.append(await conn.read_exactly(size))
-                await conn.read_exactly(2)
+                if await conn.read_exactly(2) != b"\r\n":
+                    raise httpx.RemoteProtocolError("malformed chunked body")
             return status, headers, b"".join(pieces), keep
+        if b"content-length" in h:
+            return status, headers, await conn.read_exactly(int(h[b"content-length"])), keep
         # Body until close.
         pieces = []
         while not conn.closed:
             pieces.append(bytes(conn._buf[conn._start : conn._end]))
             conn._start = conn._end
+            conn._consumed()
             try:
                 await conn._wait()
             except httpx.RemoteProtocolError:
