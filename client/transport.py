@@ -1,14 +1,15 @@
 """The HTTP transport under HsxClient: httpx's API over aiohttp (the `httpx-aiohttp` package).
 
-Decided by measurement (issue 17, item 4: `hsx bench --transport-only`, figures in
-bench/results-cpu-2026-12-01-transport.json and bench/README.md). The hand-written
-HTTP/1.1 transport that was here (client/fast_http.py) had to beat the best maintained
-stack by >= 1.3x in client CPU per GB to stay. It did on large identity bodies (~1.9x
-on 64-200 MiB) but lost on zstd ones, the remote default (chunked: ~0.6x) and on 8 MiB
-bodies with several in flight; over the whole matrix (8-200 MiB, identity and zstd, 1-16
-in flight) it was no clear win, so it went, with its framing and keep-alive defects.
-aiohttp and httpx over httpx-aiohttp spend ~1.5-3x less CPU per GB than httpx's default
-stack (httpcore + h11), and httpx stays the API: retries, errors and `transport=`
+Decided by measurement (issue 17, item 4: `hsx bench --transport-only`; figures in
+bench/results-cpu-2026-12-01-transport.json and bench/README.md, 2-core box, 2026-12-01).
+The hand-written HTTP/1.1 transport that was here (client/fast_http.py) had to spend
+>= 1.3x less client CPU per GB than the best maintained stack to stay. Over the matrix
+(8-200 MiB bodies, identity and zstd, 1-16 in flight) it managed 1.19x against aiohttp
+(geomean): 1.46x on identity bodies (~1.9x at 64-200 MiB, but 0.5-0.75x at 8 MiB with
+several in flight) and 0.80x on zstd ones (chunked, the remote default). So it went,
+with its framing and keep-alive defects. httpx over httpx-aiohttp costs about what
+aiohttp alone does on large bodies (1.89x vs 1.98x less CPU per GB than httpx's default
+stack, httpcore + h11) and keeps httpx the API: retries, errors and `transport=`
 injection (MockTransport in tests, a user's own transport) are unchanged.
 
 Errors are fixed up here: httpx-aiohttp 0.2.0 maps every `aiohttp.ClientConnectionError`

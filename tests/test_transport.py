@@ -98,6 +98,11 @@ async def test_failures_are_the_right_httpx_errors(url):
         assert (await c.get(url + "/big")).content == BIG  # still usable afterwards
 
 
+async def test_hsx_client_uses_it_by_default(url):
+    async with HsxClient([url]) as client:
+        assert isinstance(client._ensure_open()._transport, HsxTransport)
+
+
 # ------------------------------------------------------------------ the review's cases (issue 17)
 # Each against a raw socket server that says exactly what the case needs.
 class RawServer:
