@@ -46,7 +46,6 @@ import httpx
 from hsx import __version__ as hsx_version
 from hsx import bf16split, wire
 from hsx_client import shm
-from hsx_client.fast_http import FastTransport
 from hsx_client.servers import ServerSet, ServerState
 from hsx_client.settings import DEFAULTS
 
@@ -193,6 +192,8 @@ class HsxClient:
         if self._closed:
             raise RuntimeError("HsxClient is closed")
         if self._http is None:
+            from hsx_client.transport import HsxTransport  # aiohttp: imported when first needed
+
             n = sum(s.capacity for s in self._servers) + len(self._servers)
             headers = {"User-Agent": _user_agent()}
             if self.api_key:
@@ -201,9 +202,9 @@ class HsxClient:
                 timeout=httpx.Timeout(self.timeout, connect=min(CONNECT_TIMEOUT, self.timeout)),
                 limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
                 headers=headers,
-                # httpx's default stack spends ~2 s of CPU per GB of body; this one ~0.75
-                # (client/fast_http.py): the client is what limits a corpus run.
-                transport=self._transport or FastTransport(max_idle_per_host=n),
+                # aiohttp underneath (client/transport.py): httpx's default stack spends
+                # ~1.5-3x the CPU per GB of body, and the client limits a corpus run.
+                transport=self._transport or HsxTransport(n),
             )
             self._pool.open()
         return self._http

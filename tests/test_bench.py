@@ -92,14 +92,22 @@ def test_codec_candidates_round_trip() -> None:
     assert choose_codec(rows, target_MBps_per_core=0.0)["pick"] is not None
 
 
-@pytest.mark.slow  # three client processes and a server: ~8 s on a loaded 2-core box
+@pytest.mark.slow  # six client processes and a server: ~15 s on a loaded 2-core box
 def test_transport_study_runs_each_client(tmp_path: Path) -> None:
-    """`hsx bench --transport-only`, tiny: every client reads every byte (no timing assertion)."""
+    """`hsx bench --transport-only`, tiny: every client reads every byte of identity and
+    zstd (chunked) bodies, ratios against httpx's default (no timing assertion)."""
     out = tmp_path / "t.json"
     proc = subprocess.run([sys.executable, "-m", "hsx.cli", "bench", "--transport-only", "--body-mb", "2",
-                           "--requests", "3", "--concurrency", "2", "--out", str(out)],
+                           "--requests", "3", "--concurrency", "2", "--repeat", "1", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["client"] for r in rows] == ["fast_http", "httpx", "aiohttp"]
-    assert all(r["bytes"] == 3 * (2 << 20) and r["cpu_s_per_gb"] > 0 for r in rows)
+    res = json.loads(out.read_text())
+    assert [(c["encoding"], c["body_mb"], c["concurrency"]) for c in res["cells"]] == [("identity", 2, 2), ("zstd", 2, 2)]
+    for cell in res["cells"]:
+        rows = cell["rows"]
+        assert [r["client"] for r in rows] == ["httpx", "aiohttp", "httpx_aiohttp"]
+        wire = rows[0]["bytes"]
+        assert all(r["bytes"] == wire and r["cpu_s_per_gb"] > 0 and r["cpu_vs_httpx"] > 0 for r in rows)
+    assert res["cells"][0]["rows"][0]["bytes"] == 3 * (2 << 20)  # identity: the body itself
+    assert 0 < res["cells"][1]["rows"][0]["bytes"] < 3 * (2 << 20)  # zstd: smaller on the wire
+    assert set(res["summary"]["cpu_vs_httpx_geomean"]) == {"httpx", "aiohttp", "httpx_aiohttp"}
