@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # vLLM is imported when the engine starts, not with this modu
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger("hsx.engine")
+SELF_TEST_TIMEOUT = 120.0  # seconds the start-up self-test may take (it is the first prefill)
 
 
 def check_vllm_version(version: str) -> None:
@@ -325,7 +326,10 @@ class Extractor:
         layers = list(range(len(self.facts.layer_ids)))
         reservation = self.reserve(len(ids), len(layers))
         try:
-            await self.extract(ids, layers, reservation, f"hsx-self-test-{uuid.uuid4().hex[:8]}")
+            # Not --request-timeout: the first prefill pays the engine's lazy start-up (thread
+            # pools, kernels) and took over 2 s for 4 tokens on a loaded 2-core box (TP 2).
+            await self.extract(ids, layers, reservation, f"hsx-self-test-{uuid.uuid4().hex[:8]}",
+                               timeout=max(self.settings.request_timeout, SELF_TEST_TIMEOUT))
         except EngineFailure as exc:
             raise StartupError(
                 f"self-test failed: {exc}. The architecture may not expose layers {self.facts.layer_ids} "
@@ -365,7 +369,8 @@ class Extractor:
             ) from exc
 
     async def extract(
-        self, token_ids: list[int], layer_index: list[int], reservation: Reservation, request_id: str
+        self, token_ids: list[int], layer_index: list[int], reservation: Reservation, request_id: str,
+        timeout: float | None = None,
     ) -> dict:
         """Prefill `token_ids` into the reserved range; returns the phase timings. The
         caller keeps the reservation and releases it once the states are sent. On a
@@ -398,7 +403,8 @@ class Extractor:
         prefill = asyncio.get_running_loop().create_task(self._prefill(token_ids, params, request_id, notice))
         prefill.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are raised below
         try:
-            msg = await asyncio.wait_for(asyncio.shield(prefill), self.settings.request_timeout)
+            timeout = self.settings.request_timeout if timeout is None else timeout
+            msg = await asyncio.wait_for(asyncio.shield(prefill), timeout)
         except BaseException as exc:
             await self._abort(request_id, prefill)
             # The engine may still write this range: free it only on the connector's notice
@@ -409,7 +415,7 @@ class Extractor:
             if isinstance(exc, ValueError):  # vLLM's own input checks
                 raise BadInput(f"vLLM refused the input: {exc}") from exc
             if isinstance(exc, asyncio.TimeoutError):
-                raise EngineTimeout(f"the engine did not finish within {self.settings.request_timeout:.0f}s") from exc
+                raise EngineTimeout(f"the engine did not finish within {timeout:.0f}s") from exc
             if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
                 raise EngineFailure("the engine failed while serving this request") from exc
             raise

@@ -117,10 +117,16 @@ def test_two_nodes_shards_one_killed_then_merged_equal_one_client(nodes, tmp_pat
     read = by_key_speculators if fmt == "speculators" else by_key_specforge
     got, want = read(merged), read(single)
     assert sorted(got) == sorted(want) and len(got) == N
+    # States to fp32 precision, not bitwise: a sample the single client sent to the other
+    # server, in another batch, may differ in the last bits (the merge itself is exact:
+    # every file linked, checksums verified above).
     for key in want:
         for name, t in want[key].items():
             if isinstance(t, torch.Tensor):
-                assert torch.equal(got[key][name], t), (key, name)
+                if t.is_floating_point():
+                    torch.testing.assert_close(got[key][name], t, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
+                else:
+                    assert torch.equal(got[key][name], t), (key, name)
     for name in ("token_freq.pt", "vocab_mapping/vocab_mapping.pt", "d2t-64.npy", "t2d-64.npy"):
         if (single / name).exists():
             assert (merged / name).read_bytes() == (single / name).read_bytes(), name
