@@ -8,10 +8,11 @@
 #   bash tests/gpu/session.sh check 0.33.0        # carry the last part: assemble, load check, check_cuda
 #   bash tests/gpu/session.sh extra 0.33.0        # stories260K chats, tiny MoE and hybrid, every layer
 #   bash tests/gpu/session.sh bench 0.33.0        # hsx bench --h200
+#   bash tests/gpu/session.sh bench17 0.33.0 preset|8b [WORKERS]   # issue 17's HTTP rows, client workers
 # Results land in $OUT (check-*.json, bench-*.json, logs). Consecutive calls must follow within the
 # machine's 30 s warm time: /tmp (the stashed parts, the assembled kit) goes with the machine.
 set -euo pipefail
-step=${1:?usage: session.sh prepare|stash|check|extra|bench VERSION [PART]}
+step=${1:?usage: session.sh prepare|stash|check|extra|bench|bench17 VERSION [PART | SHAPE WORKERS]}
 ver=${2:?vLLM version, e.g. 0.33.0}
 kit=.gpukit-$ver
 out=${OUT:-/tmp/out}
@@ -32,6 +33,8 @@ prepare)
     cp -r "$fx/models/stories260K" .gpufix/
     cp "$fx/chat/oasst/threads.messages.jsonl" .gpufix/
     cp "$fx/chat_templates/llama3.jinja" .gpufix/
+    # HsxClient's transport (client/transport.py); the image has aiohttp, not this small wheel.
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .gpufix/wheels "httpx-aiohttp>=0.2"
     grep -qx '/.gpufix/' .gitignore || echo "session: add '/.gpufix/' to .gitignore" >&2
     last=$(($(ls -d "$kit"/p* | wc -l) - 1))
     echo "device calls (kind nvidia-h200, back to back):"
@@ -98,8 +101,27 @@ bench)
         --client-process --codec-sample 0 --workdir /tmp/hsxb --output-dir /dev/shm/hsxc \
         --server-arg=--arena-bytes=17179869184 --out "$out/bench-h200-$ver.json" 2>&1 | tee "$out/bench-h200-$ver.log"
     ;;
+bench17)
+    # Issue 17's rows: the remote path (identity and zstd) with `--workers N` client processes,
+    # each against its own plain baseline (a); run once with WORKERS=1 for the ratio.
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    shape=${3:?preset or 8b}
+    workers=${4:-8}
+    if [ "$shape" = 8b ]; then
+        model=(--make-model layers=32,hidden=4096,ffn=14336,heads=32,kv_heads=8,vocab=128256,dtype=bfloat16,max_pos=4096
+               --prompts 128 --prompt-len 2048 --layers 2,16,29,32 --concurrency 64 --warmup 16
+               --engine-arg=--max-num-batched-tokens=16384 --engine-arg=--gpu-memory-utilization=0.85)
+    else
+        model=(--h200)
+    fi
+    python3 -m hsx.cli bench "${model[@]}" --modes a,c --transfer http:none,http:zstd --client-process \
+        --workers "$workers" --codec-sample 0 --workdir /tmp/hsxb --output-dir /dev/shm/hsxc \
+        --server-arg=--arena-bytes=17179869184 --out "$out/bench17-$shape-w$workers-$ver.json" 2>&1 \
+        | tee "$out/bench17-$shape-w$workers-$ver.log"
+    ;;
 *)
-    echo "session.sh: unknown step $step (prepare, stash, check, extra, bench)" >&2
+    echo "session.sh: unknown step $step (prepare, stash, check, extra, bench, bench17)" >&2
     exit 2
     ;;
 esac

@@ -5,6 +5,10 @@
 mkdir -p /tmp/hsx-pkgs
 ln -sfn "$PWD/client" /tmp/hsx-pkgs/hsx_client
 ln -sfn "$PWD/service" /tmp/hsx-pkgs/hsx_service
+# Wheels the image lacks, carried in .gpufix/wheels by `session.sh prepare` (httpx-aiohttp).
+if [ -d /tmp/gpufix/wheels ] && [ ! -d /tmp/hsx-pkgs/httpx_aiohttp ]; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/hsx-pkgs /tmp/gpufix/wheels/*.whl
+fi
 export PYTHONPATH=/tmp/hsx-pkgs:${GPUKIT_SITE:-/tmp/site}:$PWD
 # FlashInfer is not in the kit: vLLM's FlashInfer sampler must stay off (as with the 0.26 kit).
 export VLLM_USE_FLASHINFER_SAMPLER=0
