@@ -321,6 +321,7 @@ case "$1" in
         echo "serve ${*:2} model=$HSX_MODEL" >> "$HSX_LOG"
         [ -n "${FAKE_SERVE_DIES:-}" ] && exit 1
         trap 'echo stopped >> "$HSX_LOG"; exit 0' TERM
+        touch "$HSX_LOG.up"  # only now may curl say ready: its line is logged, its trap set
         while true; do sleep 0.05; done ;;
     extract)
         echo "extract ${*:2}" >> "$HSX_LOG"
@@ -331,11 +332,12 @@ esac
 """
 
 FAKE_CURL = r"""#!/usr/bin/env bash
-# Not ready on the first poll, ready after.
+# Not ready on the first poll, ready after, once the fake server is up (on a loaded box
+# the background `hsx serve` may not have run a line yet when the first polls come).
 n=$(cat "$CURL_COUNT" 2>/dev/null || echo 0)
 echo $((n + 1)) > "$CURL_COUNT"
 [ -n "${FAKE_SERVE_DIES:-}" ] && exit 7
-[ "$n" -ge 1 ]
+[ "$n" -ge 1 ] && [ -f "$HSX_LOG.up" ]
 """
 
 
