@@ -109,8 +109,8 @@ bench17)
     shape=${3:?preset or 8b}
     workers=${4:-8}
     if [ "$shape" = 8b ]; then
-        model=(--make-model layers=32,hidden=4096,ffn=14336,heads=32,kv_heads=8,vocab=128256,dtype=bfloat16,max_pos=4096
-               --prompts 128 --prompt-len 2048 --layers 2,16,29,32 --concurrency 64 --warmup 16
+        llama8b="layers=32,hidden=4096,ffn=14336,heads=32,kv_heads=8,vocab=128256,dtype=bfloat16,max_pos=4096"
+        model=(--make-model "$llama8b" --prompts 128 --prompt-len 2048 --layers "2,16,29,32" --concurrency 64 --warmup 16
                --engine-arg=--max-num-batched-tokens=16384 --engine-arg=--gpu-memory-utilization=0.85)
     else
         model=(--h200)
