@@ -30,6 +30,15 @@ def engine_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def serve_once(*args: str, timeout: float = 300) -> "subprocess.CompletedProcess[str]":
+    """`hsx serve ARGS --port 0` run to its exit: for the settings it refuses at start-up."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "hsx.cli", "serve", *args, "--port", "0"], capture_output=True,
+                          text=True, timeout=timeout, env=engine_env())
+
+
 class EngineGuard:
     """Set by conftest.py: the test being set up or run, and the fixture being set up.
     Starting a server records the fixture that did it (its users must be marked

@@ -12,6 +12,7 @@ import pytest
 
 from _reference import check_responses
 from _server import ServerProcess
+from _server import serve_once as _serve
 from conftest import need_vllm
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -94,16 +95,6 @@ async def test_tiny_hybrid_every_layer_matches_transformers(hybrid_server, hybri
     worst, worst_delta = check_responses(rs, prompts, hybrid_model, LAYERS, BF16_TOL, BF16_DELTA_TOL)
     print(f"\ntiny Qwen3-Next (bf16): 16 concurrent requests, worst relative error {worst:.2e}, "
           f"of a layer's contribution {worst_delta:.2e}")
-
-
-def _serve(*args, timeout=300):
-    import subprocess
-    import sys
-
-    from _server import engine_env
-
-    return subprocess.run([sys.executable, "-m", "hsx.cli", "serve", *args, "--port", "0"], capture_output=True,
-                          text=True, timeout=timeout, env=engine_env())
 
 
 def test_hybrid_in_fp32_refused_on_cpu(hybrid_model):

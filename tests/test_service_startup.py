@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from _server import engine_env
+from _server import serve_once as _serve
 from hsx.layers import default_layers
 from hsx_service.engine import check_parallelism, check_vllm_version, resolve_layers
 from hsx_service.errors import StartupError
@@ -114,7 +115,7 @@ def test_serve_refuses_parallel_before_0_31(request, flag):
     version = pytest.importorskip("vllm", reason="vLLM is not installed").__version__
     if vllm_compat.supports_tp(version):
         pytest.skip(f"vLLM {version} allows {flag} 2 (test_parallel.py runs it)")
-    r = _serve(str(request.getfixturevalue("tiny_model")), flag, "2", "--port", "0")
+    r = _serve(str(request.getfixturevalue("tiny_model")), flag, "2")
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"{flag} 2 needs vLLM >= 0.31" in r.stderr and version in r.stderr
 
