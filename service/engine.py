@@ -402,8 +402,8 @@ class Extractor:
         # says the worker is done with the range.
         prefill = asyncio.get_running_loop().create_task(self._prefill(token_ids, params, request_id, notice))
         prefill.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are raised below
+        timeout = self.settings.request_timeout if timeout is None else timeout
         try:
-            timeout = self.settings.request_timeout if timeout is None else timeout
             msg = await asyncio.wait_for(asyncio.shield(prefill), timeout)
         except BaseException as exc:
             await self._abort(request_id, prefill)
