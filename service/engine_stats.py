@@ -17,10 +17,17 @@ from hsx_service import vllm_compat
 class EngineStats:
     def __init__(self) -> None:
         self._kv_usage: dict[int, float] = {}  # engine index (DP rank) -> last reported fraction
+        self._kv_peak = 0.0
 
     def kv_cache_usage(self) -> float:
         """The fullest engine's KV-cache usage, 0..1 (0 before the first step)."""
         return max(self._kv_usage.values(), default=0.0)
+
+    def kv_cache_usage_peak(self) -> float:
+        """The highest usage any engine reported since start. Usage changes every step
+        (tens of ms) and a scrape samples one instant, often between waves of prefills when
+        it is 0; the peak is what sizing KV space or --max-num-seqs needs."""
+        return self._kv_peak
 
     def logger_factory(self) -> type:
         """A StatLoggerBase subclass vLLM instantiates once per engine: (vllm_config, engine_index)."""
@@ -36,6 +43,7 @@ class EngineStats:
                     usage = vllm_compat.kv_cache_usage(scheduler_stats)
                     if usage is not None:
                         stats._kv_usage[self.engine_index] = usage
+                        stats._kv_peak = max(stats._kv_peak, usage)
 
             def log_engine_initialized(self) -> None:
                 pass

@@ -150,6 +150,7 @@ class Lifecycle:
         try:
             await st.extractor.start()
             st.metrics.kv_cache_usage.set_function(st.extractor.stats.kv_cache_usage)
+            st.metrics.kv_cache_usage_peak.set_function(st.extractor.stats.kv_cache_usage_peak)
             f = st.extractor.facts
             template = None
             if st.settings.chat_template:

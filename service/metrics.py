@@ -29,6 +29,9 @@ class Metrics:
         self.kv_cache_usage = Gauge(
             "hsx_kv_cache_usage", "Fraction of vLLM's KV-cache blocks in use (0..1), fullest engine", registry=r
         )
+        self.kv_cache_usage_peak = Gauge(
+            "hsx_kv_cache_usage_peak", "Highest hsx_kv_cache_usage any engine step reported since start", registry=r
+        )
         self.arena_used = Gauge("hsx_arena_used_bytes", "Shared-memory arena bytes held by requests", registry=r)
         self.leases = Counter(
             "hsx_leases", "Same-host leases: granted, released, expired, unsent, client_gone", ["outcome"], registry=r

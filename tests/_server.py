@@ -96,12 +96,6 @@ class Servers:
             self._all.append(self._current)
         return self._current
 
-    def fresh(self) -> ServerProcess:
-        """A new server, which the tests after this one share."""
-        self._current = self._start()
-        self._all.append(self._current)
-        return self._current
-
     def to_stop(self) -> ServerProcess:
         server, self._current = self.shared(), None
         return server

@@ -54,6 +54,7 @@ def test_engine_stats_logger_keeps_the_fullest_engine():
     assert stats.kv_cache_usage() == 0.5
     a.record(SimpleNamespace(kv_cache_usage=0.0), None)
     assert stats.kv_cache_usage() == 0.125
+    assert stats.kv_cache_usage_peak() == 0.5  # kept after usage fell
 
 
 def test_split_cores():
