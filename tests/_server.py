@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -30,13 +32,14 @@ def engine_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def serve_once(*args: str, timeout: float = 300) -> "subprocess.CompletedProcess[str]":
-    """`hsx serve ARGS --port 0` run to its exit: for the settings it refuses at start-up."""
-    import subprocess
-    import sys
+def serve_command(*args: str) -> list[str]:
+    """`hsx serve ARGS --port 0`: the command of a server expected to refuse ARGS at start."""
+    return [sys.executable, "-m", "hsx.cli", "serve", *args, "--port", "0"]
 
-    return subprocess.run([sys.executable, "-m", "hsx.cli", "serve", *args, "--port", "0"], capture_output=True,
-                          text=True, timeout=timeout, env=engine_env())
+
+def serve_once(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`serve_command(ARGS)` run to its exit: for the settings it refuses at start-up."""
+    return subprocess.run(serve_command(*args), capture_output=True, text=True, timeout=timeout, env=engine_env())
 
 
 class EngineGuard:

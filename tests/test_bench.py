@@ -111,3 +111,4 @@ def test_transport_study_runs_each_client(tmp_path: Path) -> None:
     assert res["cells"][0]["rows"][0]["bytes"] == 3 * (2 << 20)  # identity: the body itself
     assert 0 < res["cells"][1]["rows"][0]["bytes"] < 3 * (2 << 20)  # zstd: smaller on the wire
     assert set(res["summary"]["cpu_vs_httpx_geomean"]) == {"httpx", "aiohttp", "httpx_aiohttp"}
+    assert res["summary"]["cheapest"] in {"httpx", "aiohttp", "httpx_aiohttp"}

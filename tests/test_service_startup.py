@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
-from _server import engine_env
+from _server import engine_env, serve_command
 from _server import serve_once as _serve
 from hsx.layers import default_layers
 from hsx_service.engine import check_parallelism, check_vllm_version, resolve_layers
@@ -83,8 +82,9 @@ def refusals(tiny_model, tmp_path_factory) -> dict[str, subprocess.CompletedProc
     gpt2 = tmp_path_factory.mktemp("gpt2")
     GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100).save_pretrained(gpt2)
     procs = {
-        name: subprocess.Popen([sys.executable, "-m", "hsx.cli", "serve", *argv(str(tiny_model), gpt2), "--port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=engine_env())
+        # all at once (each is a start-up refused in seconds), not serve_once one after another
+        name: subprocess.Popen(serve_command(*argv(str(tiny_model), gpt2)), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=engine_env())
         for name, argv in REFUSED.items()
     }
     out = {}

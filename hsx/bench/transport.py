@@ -4,9 +4,11 @@ client CPU seconds per GB received and GB/s, for /hidden_states-sized bodies, of
 - `httpx`: httpx's default transport (httpcore + h11), the baseline of every ratio;
 - `aiohttp`: aiohttp's ClientSession directly;
 - `httpx_aiohttp`: httpx over the `httpx-aiohttp` transport (what openai-python offers), as
-  HsxClient uses it (client/transport.py);
-- `fast_http`: the hand-written transport HsxClient used before (client/fast_http.py, in
-  the tree up to the commit that replaced it; left out where it is absent).
+  HsxClient uses it (client/transport.py).
+
+The hand-written transport HsxClient used before (client/fast_http.py) was measured here
+against them and lost (figures: bench/results-cpu-2026-12-01-transport.json); the study
+on a checkout from before its deletion compares it again.
 
 Each (body size, encoding, concurrency) cell runs every client in a process of its own
 (`--client` re-entry), so its CPU time (all its threads, getrusage) is its own; the
@@ -30,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-CLIENTS = ("httpx", "aiohttp", "httpx_aiohttp", "fast_http")
+CLIENTS = ("httpx", "aiohttp", "httpx_aiohttp")
 BASELINE = "httpx"
 
 
@@ -62,10 +64,6 @@ def _session(kind: str, concurrency: int):
         from hsx_client.transport import HsxTransport
 
         transport = HsxTransport(concurrency)
-    elif kind == "fast_http":
-        from hsx_client.fast_http import FastTransport
-
-        transport = FastTransport(max_idle_per_host=concurrency)
     else:
         raise SystemExit(f"unknown client {kind!r} (known: {', '.join(CLIENTS)})")
     c = httpx.AsyncClient(transport=transport, timeout=600,
@@ -133,12 +131,6 @@ def _child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _have_fast_http() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("hsx_client.fast_http") is not None
-
-
 def _start_server(sizes: list[int], encodings: list[str]):
     from hsx.bench.common import child_env
     from hsx.server_process import free_port
@@ -201,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes, encodings, concs = _ints(args.body_mb), args.encodings.split(","), _ints(args.concurrency)
     if args.url:  # the server decides the body size
         sizes, args.requests = [0], args.requests or 200
-    clients = [c for c in args.clients.split(",") if c != "fast_http" or _have_fast_http()]
+    clients = args.clients.split(",")
     server, wire = None, {}
     base = args.url
     if not base:
@@ -253,8 +245,7 @@ def _write(path: str | None, started: str, args: argparse.Namespace, argv, cells
 
 
 def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per client, the geometric mean over cells of CPU/GB vs httpx's default, and the
-    best maintained option's figure against fast_http's (the issue's 1.3x rule)."""
+    """Per client, the geometric mean over cells of CPU/GB vs httpx's default, and the cheapest."""
     import math
 
     by: dict[str, list[float]] = {}
@@ -264,24 +255,10 @@ def summary(cells: list[dict[str, Any]]) -> dict[str, Any]:
                 by.setdefault(r["client"], []).append(r["cpu_vs_httpx"])
     gm = {k: round(math.exp(sum(map(math.log, v)) / len(v)), 3) for k, v in by.items()}
     lines = [f"geomean CPU/GB advantage over httpx default: {k} {v:.2f}x" for k, v in gm.items()]
-    maintained = {k: v for k, v in gm.items() if k != "fast_http"}
     out: dict[str, Any] = {"cpu_vs_httpx_geomean": gm}
-    if "fast_http" in gm and maintained:
-        best = max(maintained, key=maintained.get)
-        out["best_maintained"] = best
-        out["fast_http_vs_best_maintained"] = round(gm["fast_http"] / maintained[best], 3)
-        lines.append(f"fast_http vs best maintained ({best}): {out['fast_http_vs_best_maintained']:.2f}x less CPU/GB"
-                     " (keep it only at >= 1.3x)")
-    per_cell: dict[str, list[float]] = {}  # fast_http against the cell's cheapest maintained stack
-    for cell in cells:
-        rows = {r["client"]: r["cpu_s_per_gb"] for r in cell["rows"]}
-        others = [v for k, v in rows.items() if k != "fast_http"]
-        if "fast_http" in rows and others:
-            per_cell.setdefault(cell["encoding"], []).append(min(others) / rows["fast_http"])
-    out["fast_http_vs_cheapest_maintained_per_cell_geomean"] = {
-        enc: round(math.exp(sum(map(math.log, v)) / len(v)), 3) for enc, v in per_cell.items()}
-    for enc, v in out["fast_http_vs_cheapest_maintained_per_cell_geomean"].items():
-        lines.append(f"{enc}: fast_http vs the cheapest maintained stack of each cell: {v:.2f}x less CPU/GB (geomean)")
+    if gm:
+        out["cheapest"] = max(gm, key=gm.get)
+        lines.append(f"cheapest client per GB: {out['cheapest']}")
     out["lines"] = lines
     return out
 
