@@ -113,19 +113,19 @@ async def test_closing_the_session_releases_its_leases_at_once(arena):
         for session in [mine.session] * 8 + [other.session]:
             leases.grant(allocator.reserve(ALIGN), session)
         assert len(leases) == 9
+        async def only_others_left() -> bool:
+            return len(leases) == 1
+
+        async def none_left() -> bool:
+            return not leases
+
         mine.close()
         # "at once" is the socket thread's next wake-up; 10 s of slack for a loaded 2-core box
         # (2 s failed once in the fast tier), against --lease-timeout's 600 here
-        for _ in range(500):
-            if len(leases) == 1:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(only_others_left, 10, "the closed session's 8 leases released")
         assert len(leases) == 1 and allocator.used == ALIGN and mine.session not in sock.sessions
         other.close()
-        for _ in range(500):
-            if not leases:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(none_left, 10, "the last session's lease released")
         assert allocator.used == 0
     finally:
         sock.close()

@@ -16,6 +16,10 @@ step=${1:?usage: session.sh prepare|stash|check|extra|bench|bench17 VERSION [PAR
 ver=${2:?vLLM version, e.g. 0.33.0}
 kit=.gpukit-$ver
 out=${OUT:-/tmp/out}
+# The bench steps' common flags: the client in its own process tree, no codec study, the
+# corpus in /dev/shm, a 16 GiB arena.
+remote_bench=(--client-process --codec-sample 0 --workdir /tmp/hsxb --output-dir /dev/shm/hsxc
+              --server-arg=--arena-bytes=17179869184)
 # The runner check_cuda expects: vLLM's CUDA default for this release (hsx_service.vllm_compat).
 # Diagnosis only: RUNNER=v1 makes vLLM >= 0.29 use its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0),
 # to tell an MRV2 problem from anything else in the same session.
@@ -97,9 +101,8 @@ bench)
     . tests/gpu/kit/env.sh
     # Issue 12's preset on this release; every (c) coding against one server, the client in its
     # own process tree over TCP (issue 17's remote path, loopback standing in for the network).
-    python3 -m hsx.cli bench --h200 --modes a,c --transfer auto,http:none,http:bf16split,http:zstd \
-        --client-process --codec-sample 0 --workdir /tmp/hsxb --output-dir /dev/shm/hsxc \
-        --server-arg=--arena-bytes=17179869184 --out "$out/bench-h200-$ver.json" 2>&1 | tee "$out/bench-h200-$ver.log"
+    python3 -m hsx.cli bench --h200 --modes a,c --transfer auto,http:none,http:bf16split,http:zstd "${remote_bench[@]}" \
+        --out "$out/bench-h200-$ver.json" 2>&1 | tee "$out/bench-h200-$ver.log"
     ;;
 bench17)
     # Issue 17's rows: the remote path (identity and zstd) with `--workers N` client processes,
@@ -115,9 +118,8 @@ bench17)
     else
         model=(--h200)
     fi
-    python3 -m hsx.cli bench "${model[@]}" --modes a,c --transfer http:none,http:zstd --client-process \
-        --workers "$workers" --codec-sample 0 --workdir /tmp/hsxb --output-dir /dev/shm/hsxc \
-        --server-arg=--arena-bytes=17179869184 --out "$out/bench17-$shape-w$workers-$ver.json" 2>&1 \
+    python3 -m hsx.cli bench "${model[@]}" --modes a,c --transfer http:none,http:zstd "${remote_bench[@]}" \
+        --workers "$workers" --out "$out/bench17-$shape-w$workers-$ver.json" 2>&1 \
         | tee "$out/bench17-$shape-w$workers-$ver.log"
     ;;
 *)
