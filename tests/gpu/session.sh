@@ -37,8 +37,9 @@ prepare)
     cp -r "$fx/models/stories260K" .gpufix/
     cp "$fx/chat/oasst/threads.messages.jsonl" .gpufix/
     cp "$fx/chat_templates/llama3.jinja" .gpufix/
-    # HsxClient's transport (client/transport.py); the image has aiohttp, not this small wheel.
-    python3 -m pip download -q --no-deps --only-binary=:all: -d .gpufix/wheels "httpx-aiohttp>=0.2"
+    # Pure-Python wheels hsx needs that neither the image nor the kit has: HsxClient's transport
+    # (client/transport.py) and the server's tokenizer processes (service/tokenize_pool.py).
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .gpufix/wheels "httpx-aiohttp>=0.2" "pebble>=5.0"
     grep -qx '/.gpufix/' .gitignore || echo "session: add '/.gpufix/' to .gitignore" >&2
     last=$(($(ls -d "$kit"/p* | wc -l) - 1))
     echo "device calls (kind nvidia-h200, back to back):"
