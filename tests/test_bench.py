@@ -11,9 +11,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,9 +63,12 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
     assert http["requests"] == prompts and 0.3 * http["hs_bytes"] < http["wire_bytes"] < http["body_bytes"]
     assert http["corpus"]["ok"] and http["tokens_per_s"] > 0
     assert http["client_process"] and r["client_process"] and r["workers"] == 2
+    cm = http["client_memory"]  # the client's memory is the parent and its two workers, not the parent alone
+    assert cm["tree"]["processes"] >= 3 and cm["peak_rss"] >= cm["parent_peak_rss"] > 0
     prof = http["client_profile"]
     assert prof["receive_s"] > 0 and prof["decode_s"] > 0 and prof["store_s"] > 0
     assert http["server_phases"]["compress"]["count"] == prompts  # bf16split bodies were coded on the pool
+    assert http["server_phases"]["wait"]["count"] == prompts and http["server_phases"]["loop_lag"]["count"] > 0
     assert "(c) HTTP profile [http, bf16split], mean s per request: server" in proc.stdout
     assert c["server_lease_only"]["leased"] == prompts and c["server_http_only"]["tokens_per_s"] > 0
     assert c["soak"]["requests"] == prompts and c["soak"]["transfer"] == "lease"
@@ -112,3 +117,32 @@ def test_transport_study_runs_each_client(tmp_path: Path) -> None:
     assert 0 < res["cells"][1]["rows"][0]["bytes"] < 3 * (2 << 20)  # zstd: smaller on the wire
     assert set(res["summary"]["cpu_vs_httpx_geomean"]) == {"httpx", "aiohttp", "httpx_aiohttp"}
     assert res["summary"]["cheapest"] in {"httpx", "aiohttp", "httpx_aiohttp"}
+
+
+def test_tree_sampler_leaves_out_excluded_subtrees() -> None:
+    """The client's memory with --workers: this process and its workers, not the server
+    subtree it started (fast; real child processes)."""
+    from hsx.bench.memory import TreeSampler
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    spawn_grandchild = [sys.executable, "-c",
+                        f"import subprocess, time; subprocess.Popen({sleep!r}); time.sleep(30)"]
+    worker = subprocess.Popen(sleep)
+    server = subprocess.Popen(spawn_grandchild)
+    try:
+        for _ in range(100):  # the "server" has started its own child
+            if psutil.Process(server.pid).children():
+                break
+            time.sleep(0.05)
+        everyone = {p.pid for p in TreeSampler(os.getpid())._tree()}
+        client = {p.pid for p in TreeSampler(os.getpid(), exclude=(server.pid,))._tree()}
+        grandchild = psutil.Process(server.pid).children()[0].pid
+        assert {os.getpid(), worker.pid, server.pid, grandchild} <= everyone
+        assert os.getpid() in client and worker.pid in client
+        assert server.pid not in client and grandchild not in client
+    finally:
+        for p in (worker, server):
+            for c in psutil.Process(p.pid).children(recursive=True):
+                c.kill()
+            p.kill()
+            p.wait()

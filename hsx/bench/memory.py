@@ -42,11 +42,13 @@ class TreeSampler:
     peak_rss: the largest sum of RSS over the tree seen at one sample (shared pages,
     e.g. a shared-memory arena mapped by two processes, count twice); peak_pss: the same
     with proportional set size (shared pages split); hwm: VmHWM of each process seen
-    (the kernel's own peak, exact per process); root_peak_rss: the root process alone."""
+    (the kernel's own peak, exact per process); root_peak_rss: the root process alone.
+    `exclude`: roots of subtrees left out (the client's figure without the server it started)."""
 
-    def __init__(self, root: int, interval: float = 0.5):
+    def __init__(self, root: int, interval: float = 0.5, exclude: tuple[int, ...] = ()):
         self.root = root
         self.interval = interval
+        self.exclude = exclude
         self.peak_rss = 0
         self.peak_pss = 0
         self.root_peak_rss = 0
@@ -58,7 +60,14 @@ class TreeSampler:
     def _tree(self) -> list[psutil.Process]:
         try:
             root = psutil.Process(self.root)
-            return [root, *root.children(recursive=True)]
+            tree = [root, *root.children(recursive=True)]
+            skip = set(self.exclude)
+            for pid in self.exclude:
+                try:
+                    skip.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+                except psutil.Error:
+                    pass
+            return [p for p in tree if p.pid not in skip]
         except psutil.Error:
             return []
 

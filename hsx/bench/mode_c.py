@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import shutil
 import time
@@ -160,6 +161,12 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     compression = coding or args.compression
     res["compression"] = compression
     hwm_reset = reset_own_hwm()
+    workers = getattr(args, "workers", 1)
+    # With --workers the bodies live in the worker processes: this process's own peak is only
+    # the manifest writer's, so the client's figure is the sampled tree (the server left out).
+    server_proc = getattr(server, "proc", None)  # in --client-process the server is not our child
+    exclude = (server_proc.pid,) if server_proc is not None else ()
+    sampler = TreeSampler(os.getpid(), interval=0.25, exclude=exclude).start() if workers > 1 else None
     timings: dict[str, Any] = {}
     total = len(prompts)
     step = max(1, total // 10)
@@ -181,12 +188,15 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     cfg = ExtractConfig(
         servers=[server.url], output=out_dir, inputs=[str(inputs)], format="speculators",
         concurrency_per_server=args.concurrency, quiet=True, timeout=max(600.0, timeout),
-        compression=compression, transfer=transfer, workers=getattr(args, "workers", 1),
+        compression=compression, transfer=transfer, workers=workers,
     )
     log(f"(c) measuring {total} prompts x {ctx['prompt_len']} tokens, concurrency {args.concurrency}, "
         f"transfer {transfer}, coding {compression} -> {out_dir}")
     t_run = time.monotonic()
-    result = run_extract(cfg, run_hooks=RunHooks(on_start=on_start, on_stored=on_stored, on_end=on_end))
+    try:
+        result = run_extract(cfg, run_hooks=RunHooks(on_start=on_start, on_stored=on_stored, on_end=on_end))
+    finally:
+        tree = sampler.stop() if sampler is not None else None
     res["run_s"] = time.monotonic() - t_run
     if result.exit_code != 0:
         raise RuntimeError(f"hsx extract ended {result.status}: {result.summary}\n{server.log_tail()}")
@@ -206,9 +216,12 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     res["client_profile"] = {  # mean seconds per sample, summed over concurrent requests
         "receive_s": stats.get("receive_s", 0.0) / n, "decode_s": stats.get("decode_s", 0.0) / n,
         "store_s": timings.get("store_s", 0.0) / n, "concurrency": args.concurrency,
-        "workers": getattr(args, "workers", 1),
+        "workers": workers,
     }
     res["client_memory"] = {**own_memory(), "hwm_reset_before_run": hwm_reset}
+    if tree is not None:  # peak_rss: the whole client (parent + workers); the parent alone kept apart
+        res["client_memory"].update(parent_peak_rss=res["client_memory"]["peak_rss"],
+                                    peak_rss=tree["peak_rss_sum"], tree=tree)
     res["corpus"] = check_corpus(out_dir, prompts, ctx)
     log(f"(c) [{transfer}] {res['tokens_per_s']:,.0f} tokens/s; finalize {res['finalize_s'] or 0:.1f}s; corpus "
         f"{res['corpus'].get('rows')} rows, {fmt_bytes(res['corpus'].get('disk_bytes'))} on disk")
@@ -227,11 +240,16 @@ def _phase_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str,
 
 
 def server_phases(server: ServerProcess) -> dict[str, dict[str, float]]:
-    """Mean seconds per request in each server phase (tokenize, engine, copy, send)."""
+    """Mean seconds per request in each server phase (wait, tokenize, engine, copy, send),
+    and under `loop_lag` the API process's event loop lag (mean s per 0.1 s timer)."""
     m = server.metrics()
     sums, counts = m.by_label("hsx_phase_seconds_sum", "phase"), m.by_label("hsx_phase_seconds_count", "phase")
-    return {p: {"mean_s": sums[p] / counts[p], "count": counts[p], "total_s": sums[p]}
-            for p in sums if counts.get(p)}
+    out = {p: {"mean_s": sums[p] / counts[p], "count": counts[p], "total_s": sums[p]} for p in sums if counts.get(p)}
+    lag_n = m.get("hsx_event_loop_lag_seconds_count", 0.0)
+    if lag_n:  # servers before the lag probe have no such metric
+        lag_s = m.get("hsx_event_loop_lag_seconds_sum")
+        out["loop_lag"] = {"mean_s": lag_s / lag_n, "count": lag_n, "total_s": lag_s}
+    return out
 
 
 def check_corpus(out_dir: Path, prompts: list[list[int]], ctx: dict[str, Any]) -> dict[str, Any]:
