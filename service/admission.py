@@ -11,6 +11,7 @@ releases the ticket). Every refusal is a ServiceError; its 503 is counted by rea
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from hsx_service.errors import Draining, NotReady, Overloaded
@@ -22,12 +23,13 @@ DRAIN_RETRY_AFTER = 5.0
 class Ticket:
     """One request's place in the gate; `release()` gives it back, once."""
 
-    __slots__ = ("_gate", "tokens", "_open")
+    __slots__ = ("_gate", "tokens", "_open", "entered")
 
     def __init__(self, gate: "AdmissionGate") -> None:
         self._gate = gate
         self.tokens = 0
         self._open = True
+        self.entered = time.perf_counter()  # past the door, body read: the "wait" phase starts
 
     def admit(self, num_tokens: int) -> None:
         """Take `num_tokens` of the token budget; raises Draining, NotReady or Overloaded."""

@@ -39,6 +39,7 @@ from hsx_service.app import ServerState, create_app
 from hsx_service.engine import Extractor
 from hsx_service.errors import StartupError
 from hsx_service.lease import ArenaSocket
+from hsx_service.metrics import sample_loop_lag
 from hsx_service.norm import load_final_norm
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
@@ -127,9 +128,11 @@ class Lifecycle:
         st = self.state
         start = self._start = asyncio.create_task(self.start_engine(), name="hsx-engine-start")
         watch = asyncio.create_task(self.watch_engine(), name="hsx-engine-watch")
+        lag = asyncio.create_task(sample_loop_lag(st.metrics), name="hsx-loop-lag")
         try:
             yield
         finally:
+            lag.cancel()
             watch.cancel()
             start.cancel()
             t0 = time.monotonic()

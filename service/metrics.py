@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
+
+
+LOOP_LAG_INTERVAL = 0.1
 
 
 class Metrics:
@@ -43,10 +48,17 @@ class Metrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=r,
         )
-        # Where a request's time goes: tokenize, engine (queue + prefill), copy (prefill
-        # done -> the worker's copy landed in the arena), send (body serialized,
-        # compressed and written to the socket).
+        # Where a request's time goes: wait (body read -> handler running: validation and
+        # the event loop's queue), tokenize, engine (queue + prefill), copy (prefill done ->
+        # the worker's copy landed in the arena), send (body serialized, compressed and
+        # written to the socket).
         self.phase = Summary("hsx_phase_seconds", "Time per request phase", ["phase"], registry=r)
+        # One event loop serves every request, body write and engine output of this process:
+        # when it is the bottleneck, each of them waits this long (issue 17's H200 runs).
+        self.loop_lag = Summary(
+            "hsx_event_loop_lag_seconds",
+            f"How late the API process's event loop ran a timer due every {LOOP_LAG_INTERVAL:g} s", registry=r,
+        )
         self._raw_total = 0
         self._wire_total = 0
 
@@ -57,3 +69,12 @@ class Metrics:
         self._wire_total += wire
         if self._wire_total:
             self.compression_ratio.set(self._raw_total / self._wire_total)
+
+
+async def sample_loop_lag(metrics: Metrics, interval: float = LOOP_LAG_INTERVAL) -> None:
+    """Runs until cancelled: observes how late each `interval` timer fires."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + interval
+        await asyncio.sleep(interval)
+        metrics.loop_lag.observe(max(0.0, loop.time() - due))

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 
 from hsx import wire
 from hsx.server_process import MetricValues
@@ -22,6 +24,7 @@ from hsx_service.arena import Allocator, SharedArena
 from hsx_service.engine import ModelFacts
 from hsx_service.errors import EngineFailure
 from hsx_service.guard import PUBLIC_PATHS
+from hsx_service.metrics import Metrics, sample_loop_lag
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 
@@ -113,8 +116,6 @@ def client(app) -> httpx.AsyncClient:
 
 
 def metrics(st) -> MetricValues:
-    from prometheus_client import generate_latest
-
     return MetricValues(generate_latest(st.metrics.registry).decode())
 
 
@@ -233,6 +234,30 @@ async def test_the_range_is_freed_by_whoever_owns_it(arena):
         assert used() == 0
     m = metrics(st)
     assert m.get("hsx_leases_total", outcome="released") == 1 and m.get("hsx_requests_total", status="error") == 1
+
+
+# ---------------------------------------------------------------------------- where the time goes
+
+async def test_each_request_records_its_wait_before_the_handler(arena):
+    app, st, _ = make_app(arena)
+    async with client(app) as c:
+        for ids in ([5, 6, 7], [1, 2]):
+            assert (await c.post("/hidden_states", json={"input_ids": ids})).status_code == 200
+    m = metrics(st)
+    assert m.get("hsx_phase_seconds_count", phase="wait") == 2 and m.get("hsx_phase_seconds_sum", phase="wait") >= 0
+    assert m.get("hsx_phase_seconds_count", phase="send") == 2
+
+
+async def test_event_loop_lag_shows_a_blocked_loop():
+    m = Metrics()
+    probe = asyncio.create_task(sample_loop_lag(m, interval=0.02))
+    await asyncio.sleep(0.05)  # a few on-time samples
+    time.sleep(0.3)  # the loop is blocked: the next timer fires ~0.3 s late
+    await asyncio.sleep(0.05)
+    probe.cancel()
+    values = MetricValues(generate_latest(m.registry).decode())
+    assert values.get("hsx_event_loop_lag_seconds_count") >= 3
+    assert values.get("hsx_event_loop_lag_seconds_sum") >= 0.25
 
 
 async def test_expired_and_shutdown_leases_free_their_ranges(arena):

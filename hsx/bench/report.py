@@ -90,18 +90,22 @@ def format_table(result: dict[str, Any]) -> str:
 
 def _http_profile(transfer: str, one: dict[str, Any]) -> str | None:
     """The HTTP path per phase, mean seconds per request: where the next bottleneck is.
-    Server: engine (queue + prefill), copy (into the arena), compress (pool time in the
-    body's coding), send (reply start to last byte handed over; minus compress = waiting
-    on the wire and the client). Client: receive (headers to last byte), decode
-    (decompress + checks), store (encode, write, fsync, manifest)."""
+    Server: wait (body read -> handler running), engine (queue + prefill), copy (into the
+    arena), compress (pool time in the body's coding), send (reply start to last byte
+    handed over; minus compress = waiting on the wire and the client), and the event
+    loop's mean lag over the run (every request, write and engine output waits it).
+    Client: receive (headers to last byte), decode (decompress + checks), store (encode,
+    write, fsync, manifest)."""
     sp, cp = one.get("server_phases") or {}, one.get("client_profile")
     if not sp and not cp:
         return None
-    parts = [f"{k} {sp[k]['mean_s']:.3f}" for k in ("tokenize", "engine", "copy", "compress", "encode_identity", "send")
-             if k in sp]
+    parts = [f"{k} {sp[k]['mean_s']:.3f}"
+             for k in ("wait", "tokenize", "engine", "copy", "compress", "encode_identity", "send") if k in sp]
     if "send" in sp:
         work = (sp.get("compress") or sp.get("encode_identity") or {}).get("mean_s", 0.0)
         parts.append(f"wire (send - coding) {max(0.0, sp['send']['mean_s'] - work):.3f}")
+    if "loop_lag" in sp:
+        parts.append(f"event loop lag {sp['loop_lag']['mean_s']:.4f}")
     line = f"(c) HTTP profile [{transfer}, {one.get('compression')}], mean s per request: server " + ", ".join(parts)
     if cp:
         line += (f"; client receive {cp['receive_s']:.3f}, decode {cp['decode_s']:.3f}, store {cp['store_s']:.3f}"
