@@ -193,9 +193,10 @@ class HiddenStatesService:
         the range then lives until the lease is released or expires. `coding`: identity,
         zstd or bf16split (response.choose_coding)."""
         t_start = time.perf_counter()
-        # body parsed and validated, the handler scheduled: long on a saturated event loop
-        self.metrics.phase.labels("wait").observe(t_start - ticket.entered)
         prep = await self.prepare(req)
+        # Counted with tokenize, for requests that pass it (a refused input runs no phase).
+        # wait: body parsed and validated, the handler scheduled; long on a saturated loop.
+        self.metrics.phase.labels("wait").observe(t_start - ticket.entered)
         self.metrics.phase.labels("tokenize").observe(time.perf_counter() - t_start)
         ids = prep.encoded.token_ids
         ticket.admit(len(ids))
