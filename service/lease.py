@@ -194,7 +194,6 @@ class ArenaSocket:
             conn.close()
             return
         conn.setblocking(False)
-        self.sessions.add(session)
         self._selector.register(conn, selectors.EVENT_READ, session)
 
     def _maybe_closed(self, conn: socket.socket, session: str) -> None:
@@ -233,5 +232,13 @@ class ArenaSocket:
             return None
         session = secrets.token_hex(16)
         hello = json.dumps({"arena_id": self._arena_id, "size": self._size, "session": session}).encode()
-        socket.send_fds(conn, [hello], [self._fd])
+        # Live before the client hears of it: its first request may name the session at once
+        # (added after the reply, such a request got an HTTP body, and the fast tier's lease
+        # session test failed now and then on the loaded 2-core box).
+        self.sessions.add(session)
+        try:
+            socket.send_fds(conn, [hello], [self._fd])
+        except OSError:
+            self.sessions.discard(session)
+            raise
         return session

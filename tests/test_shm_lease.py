@@ -13,6 +13,7 @@ import asyncio
 import json
 import random
 import signal
+import socket
 from pathlib import Path
 
 import httpx
@@ -97,6 +98,27 @@ def test_a_key_not_marked_for_leases_gets_no_mapping(arena):
     try:
         with pytest.raises(shm.ShmUnavailable, match="may not take leases"):
             shm.attach(_offer(sock, arena), KEY)
+    finally:
+        sock.close()
+
+
+def test_a_session_is_live_before_its_client_hears_of_it(arena, monkeypatch):
+    """A client may name its session in the very next request: the server must know it by
+    then (it was added after the reply, a race the fast tier hit now and then)."""
+    sock = ArenaSocket(arena.ro_fd, arena.arena_id, arena.size, [])
+    live_at_reply = []
+    send_fds = socket.send_fds
+
+    def spy(conn, buffers, fds):
+        live_at_reply.append(json.loads(buffers[0])["session"] in sock.sessions)
+        return send_fds(conn, buffers, fds)
+
+    monkeypatch.setattr(socket, "send_fds", spy)
+    sock.start()
+    try:
+        mapped = shm.attach(_offer(sock, arena), None)
+        assert live_at_reply == [True] and mapped.session in sock.sessions
+        mapped.close()
     finally:
         sock.close()
 
