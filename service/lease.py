@@ -233,8 +233,7 @@ class ArenaSocket:
         session = secrets.token_hex(16)
         hello = json.dumps({"arena_id": self._arena_id, "size": self._size, "session": session}).encode()
         # Live before the client hears of it: its first request may name the session at once
-        # (added after the reply, such a request got an HTTP body, and the fast tier's lease
-        # session test failed now and then on the loaded 2-core box).
+        # (added after the reply, such a request could find it unknown and get an HTTP body).
         self.sessions.add(session)
         try:
             socket.send_fds(conn, [hello], [self._fd])
