@@ -110,9 +110,11 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
             res["soak"] = soak(server.url, sampler, ctx, args)
     finally:
         try:
-            res["server_phases"] = server_phases(server)
+            res["server_phases"] = phases = server_phases(server)
+            lag = phases.get("loop_lag")  # per 0.1 s timer, not per request: said apart
             log("(c) server time per request by phase (mean s): " + ", ".join(
-                f"{k} {v['mean_s']:.4f}" for k, v in res["server_phases"].items()))
+                f"{k} {v['mean_s']:.4f}" for k, v in phases.items() if k != "loop_lag")
+                + (f"; event loop lag {lag['mean_s']:.4f} s per timer" if lag else ""))
         except Exception as exc:  # profile only
             log(f"(c) no phase metrics: {exc}")
         if sampler is not None:
