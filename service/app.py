@@ -24,7 +24,8 @@ from hsx_service.docs import attach_offline_docs, offline_docs_app_kwargs
 from hsx_service.engine import Extractor
 from hsx_service.errors import Draining, LeaseGone, NotAvailable, NotReady, install_error_handlers
 from hsx_service.guard import GuardMiddleware
-from hsx_service.lease import SESSION_HEADER, ArenaSocket, key_may_lease
+from hsx_service.auth import key_matches
+from hsx_service.lease import SENT_HEADER, SESSION_HEADER, ArenaSocket, SendReport, key_may_lease
 from hsx_service.metrics import Metrics
 from hsx_service.norm import FinalNorm
 from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
@@ -56,7 +57,11 @@ class ServerState:
     final_norm: FinalNorm | None = None
     final_norm_error: str | None = None
     startup_error: str | None = None
-    arena_socket: ArenaSocket | None = None  # when same-host leases are on
+    arena_socket: ArenaSocket | None = None  # when same-host leases are on (or HTTP workers run)
+    # With --http-workers: the workers' shared secret (they present it as their API key: leases of
+    # their own, reports on release). None when this process serves HTTP itself.
+    front_token: str | None = None
+    http_workers: int = 0
     tokenizer_pool: TokenizerPool | None = None  # once the engine has started
     # Set when the drain's --shutdown-timeout is over: requests still being prepared or
     # prefilled are answered 503 (never a closed connection or a bare 500).
@@ -84,7 +89,8 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     attach_offline_docs(app)
     app.state.hsx = st
     install_error_handlers(app, st.metrics)
-    app.add_middleware(GuardMiddleware, settings=st.settings, gate=st.gate, metrics=st.metrics)
+    app.add_middleware(GuardMiddleware, settings=st.settings, gate=st.gate, metrics=st.metrics,
+                       internal_key=st.front_token)
 
     probe = {200: {"model": ProbeStatus}, 503: {"model": ProbeStatus, "description": "not live / not ready"}}
 
@@ -180,10 +186,10 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     async def hidden_states(body: HiddenStatesRequest, request: Request):
         st = _serving(request)
         service = st.service
-        lease, session = _lease_terms(st, request)
+        lease, session, front = _lease_terms(st, request)
         coding = choose_coding(request.headers.get("accept"), request.headers.get("accept-encoding"), service.facts.dtype)
         work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, coding, lease,
-                                                 session))
+                                                 session, front))
         gone = asyncio.ensure_future(_client_gone(request))
         cut_off = asyncio.ensure_future(st.cut_off.wait())
         try:
@@ -231,7 +237,8 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     )
     async def release_lease(lease_id: str, request: Request):
         s = _serving(request)
-        if not s.service.release_lease(lease_id):
+        report = SendReport.parse(request.headers.get(SENT_HEADER)) if _is_front(s, request) else None
+        if not s.service.release_lease(lease_id, report):
             raise LeaseGone(f"lease {lease_id[:64]!r} is unknown or expired; its states may be overwritten, redo the request")
         return Response(status_code=204)
 
@@ -269,22 +276,34 @@ def _key(request: Request) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def _lease_terms(st: ServerState, request: Request) -> tuple[bool, str | None]:
-    """Whether this request gets a lease, and the lease session it belongs to. Only keys
-    marked for leases get one; a session the arena socket does not know (closed, or
-    made up) gets an HTTP body, so no lease outlives its client's connection."""
+def _lease_terms(st: ServerState, request: Request) -> tuple[bool, str | None, bool]:
+    """Whether this request gets a lease, the lease session it belongs to, and whether it
+    is an HTTP worker's (fronts.py). Only keys marked for leases get one; a session the
+    arena socket does not know (closed, or made up) gets an HTTP body, so no lease
+    outlives its client's connection."""
     if st.service.leases is None or LEASE_MEDIA_TYPE not in request.headers.get("accept", ""):
-        return False, None
+        return False, None, False
     if not _may_lease(st, request):
-        return False, None
+        return False, None, False
     session = request.headers.get(SESSION_HEADER)
     if session is not None and (st.arena_socket is None or session not in st.arena_socket.sessions):
-        return False, None
-    return True, session
+        return False, None, False
+    front = _is_front(st, request)
+    if front and session is None:  # a worker's lease must end with the worker
+        return False, None, False
+    return True, session, front
+
+
+def _is_front(st: ServerState, request: Request) -> bool:
+    return st.front_token is not None and key_matches((_key(request) or "").encode(), [st.front_token.encode()])
 
 
 def _may_lease(st: ServerState, request: Request) -> bool:
+    if _is_front(st, request):
+        return True
     s = st.settings
+    if not s.shm_lease:  # the lease table may exist for HTTP workers alone
+        return False
     return key_may_lease((_key(request) or "").encode(), [k.encode() for k in s.accepted_keys],
                          [k.encode() for k in s.lease_api_key])
 

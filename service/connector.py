@@ -99,6 +99,8 @@ class Notifier:
 class HsxConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: "KVCacheConfig | None" = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_compat.is_cpu_backend():  # in the worker that runs the model, before its first forward
+            vllm_compat.request_cpu_amx()
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._arena_path: str = extra["arena_path"]
         self._arena_size: int = int(extra["arena_size"])

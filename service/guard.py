@@ -35,9 +35,12 @@ BODY_ROUTES = ("/hidden_states", "/tokenize")  # POST, a JSON body, through the 
 
 
 class GuardMiddleware:
-    def __init__(self, app, settings: ServiceSettings, gate: AdmissionGate, metrics: Metrics):
+    def __init__(self, app, settings: ServiceSettings, gate: AdmissionGate, metrics: Metrics,
+                 internal_key: str | None = None):
         self.app = app
         self.keys = [k.encode() for k in settings.accepted_keys]
+        if self.keys and internal_key:  # the HTTP workers' own requests (fronts.py); no keys: no auth at all
+            self.keys.append(internal_key.encode())
         self.max_body = settings.max_body_bytes
         self.body_timeout = settings.body_timeout
         self.max_receiving = settings.max_receiving

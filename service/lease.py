@@ -63,8 +63,39 @@ _MAX_LINE = 4096
 @dataclass
 class _Lease:
     reservation: Reservation  # the leased range; freed when the lease ends
-    timer: asyncio.TimerHandle
+    timer: asyncio.TimerHandle | None  # its expiry; none for an HTTP worker's lease
     session: str | None  # the client's arena-socket connection, if it sent one
+    on_end: Callable[[str, "SendReport | None"], None] | None = None
+
+
+SENT_HEADER = "X-Hsx-Sent"  # an HTTP worker's report on its lease release (SendReport)
+
+
+@dataclass
+class SendReport:
+    """What an HTTP worker (front.py) sent under a lease, reported when it releases it, so
+    that the engine process, the one owner of the metrics, records the response."""
+
+    raw: int
+    wire: int
+    complete: bool
+    send_s: float
+    work_s: float
+    coding: str
+
+    def header(self) -> str:
+        return json.dumps(self.__dict__, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, value: str | None) -> "SendReport | None":
+        if not value:
+            return None
+        try:
+            d = json.loads(value)
+            return cls(int(d["raw"]), int(d["wire"]), bool(d["complete"]), float(d["send_s"]), float(d["work_s"]),
+                       str(d["coding"]))
+        except (ValueError, KeyError, TypeError):
+            return None
 
 
 class Leases:
@@ -79,10 +110,14 @@ class Leases:
     def __len__(self) -> int:
         return len(self._live)
 
-    def grant(self, reservation: Reservation, session: str | None = None) -> str:
+    def grant(self, reservation: Reservation, session: str | None = None, expires: bool = True,
+              on_end: Callable[[str, SendReport | None], None] | None = None) -> str:
+        """A new lease on `reservation`. `expires`: after the timeout (a client's); an HTTP
+        worker's lasts until released or its session ends. `on_end(outcome, report)` runs
+        when it ends."""
         lease_id = secrets.token_hex(16)
-        timer = asyncio.get_running_loop().call_later(self.timeout, self.release, lease_id, "expired")
-        self._live[lease_id] = _Lease(reservation, timer, session)
+        timer = asyncio.get_running_loop().call_later(self.timeout, self.release, lease_id, "expired") if expires else None
+        self._live[lease_id] = _Lease(reservation, timer, session, on_end)
         return lease_id
 
     def end_session(self, session: str) -> int:
@@ -94,19 +129,22 @@ class Leases:
             log.info("lease session %s closed: %d leases released", session[:8], len(gone))
         return len(gone)
 
-    def release(self, lease_id: str, outcome: str = "released") -> bool:
+    def release(self, lease_id: str, outcome: str = "released", detail: SendReport | None = None) -> bool:
         """End a lease; True when it was live (for a client's release: its read was valid).
         `outcome` is what ended it: released (by the client), expired, or unsent (the
-        response carrying it never left)."""
+        response carrying it never left). `detail`: an HTTP worker's report."""
         lease = self._live.pop(lease_id, None)
         if lease is None:
             return False
-        lease.timer.cancel()
+        if lease.timer is not None:
+            lease.timer.cancel()
         if outcome == "expired":
             log.warning("lease %s expired after %.0fs without a release; its range is reused", lease_id[:8], self.timeout)
         lease.reservation.release()
         if self._on_end is not None:
             self._on_end(outcome)
+        if lease.on_end is not None:
+            lease.on_end(outcome, detail)
         return True
 
     def end_all(self) -> None:
@@ -125,7 +163,7 @@ class ArenaSocket:
 
     def __init__(self, arena_fd: int, arena_id: str, arena_size: int, api_keys: list[str],
                  lease_keys: list[str] | None = None,
-                 on_session_end: Callable[[str], None] | None = None):
+                 on_session_end: Callable[[str], None] | None = None, internal_key: str | None = None):
         self.name = f"hsx-lease-{arena_id}"
         self.boot_id = boot_id()  # of this host, for /info's offer
         self._fd = arena_fd
@@ -133,6 +171,8 @@ class ArenaSocket:
         self._size = arena_size
         self._keys = [k.encode() for k in api_keys]
         self._lease_keys = [k.encode() for k in (lease_keys or [])]
+        # The HTTP workers' key (fronts.py): they map the arena whatever the client keys say.
+        self._internal_key = [internal_key.encode()] if internal_key else []
         self._on_session_end = on_session_end  # called in the event loop's thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sessions: set[str] = set()  # live ones; read by the event loop
@@ -212,6 +252,8 @@ class ArenaSocket:
             self._loop.call_soon_threadsafe(self._on_session_end, session)
 
     def _allowed(self, conn: socket.socket, key: bytes) -> bool:
+        if self._internal_key and key_matches(key, self._internal_key):
+            return True
         if self._keys:
             return key_may_lease(key, self._keys, self._lease_keys)
         _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))

@@ -37,7 +37,9 @@ from fastapi import FastAPI
 
 from hsx_service.app import ServerState, create_app
 from hsx_service.engine import Extractor
+from hsx_service import vllm_compat
 from hsx_service.errors import StartupError
+from hsx_service.fronts import HttpWorkers, resolve_count
 from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import sample_loop_lag
 from hsx_service.norm import load_final_norm
@@ -63,7 +65,18 @@ def serve(settings: ServiceSettings, engine_args: Any) -> int:
         print(f"hsx serve: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     state = ServerState(settings=settings, extractor=extractor)
-    code = Lifecycle(state).run()
+    try:
+        count = resolve_count(settings.http_workers, vllm_compat.is_cpu_backend())
+        workers = HttpWorkers(count, settings) if count else None
+    except StartupError as exc:
+        extractor.shutdown()
+        print(f"hsx serve: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    if workers is not None:
+        state.http_workers = count
+        state.front_token = workers.token
+        state.metrics.http_workers.set_function(lambda: workers.alive)
+    code = Lifecycle(state, workers).run()
     if state.startup_error:  # the cause as the last line, not a hundred lines above
         print(f"hsx serve: error: {state.startup_error}", file=sys.stderr)
     return code
@@ -87,18 +100,19 @@ def start_failure(exc: BaseException) -> str:
 
 
 class Lifecycle:
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ServerState, workers: HttpWorkers | None = None) -> None:
         self.state = state
+        self.workers = workers  # --http-workers: they serve the port, this process their Unix socket
         self.exit_code = EXIT_OK
         self._server: _DrainingServer | None = None
         self._start: asyncio.Task | None = None
 
     def run(self) -> int:
         s = self.state.settings
+        where = {"uds": self.workers.upstream} if self.workers else {"host": s.host, "port": s.port}
         config = uvicorn.Config(
             create_app(self.state, self.lifespan),
-            host=s.host,
-            port=s.port,
+            **where,
             log_level=s.log_level.lower(),
             # The drain has already waited --shutdown-timeout: uvicorn then only closes what is left.
             timeout_graceful_shutdown=int(CUT_OFF_GRACE) + 1,
@@ -126,6 +140,8 @@ class Lifecycle:
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
         st = self.state
+        if self.workers is not None:
+            self.workers.start()
         start = self._start = asyncio.create_task(self.start_engine(), name="hsx-engine-start")
         watch = asyncio.create_task(self.watch_engine(), name="hsx-engine-watch")
         lag = asyncio.create_task(sample_loop_lag(st.metrics), name="hsx-loop-lag")
@@ -136,6 +152,8 @@ class Lifecycle:
             watch.cancel()
             start.cancel()
             t0 = time.monotonic()
+            if self.workers is not None:  # first: they read the arena
+                await asyncio.to_thread(self.workers.stop, CUT_OFF_GRACE + 3)
             if st.arena_socket is not None:
                 st.arena_socket.close()
             if st.service is not None and st.service.leases is not None:
@@ -170,7 +188,7 @@ class Lifecycle:
             except Exception as exc:  # served anyway; /final_norm explains
                 st.final_norm_error = str(exc)
                 log.warning("final norm unavailable: %s", exc)
-            service = HiddenStatesService(st.settings, st.extractor, tokenizer, st.metrics, st.gate)
+            service = HiddenStatesService(st.settings, st.extractor, tokenizer, st.metrics, st.gate, st.http_workers)
             await st.extractor.self_test()
             if service.leases is not None:
                 arena = st.extractor.arena
@@ -178,6 +196,7 @@ class Lifecycle:
                     st.arena_socket = ArenaSocket(
                         arena.ro_fd, arena.arena_id, arena.size, st.settings.accepted_keys,
                         lease_keys=st.settings.lease_api_key, on_session_end=service.leases.end_session,
+                        internal_key=st.front_token,
                     ).start()
                     if st.settings.api_key and not st.settings.lease_api_key:
                         log.info("same-host leases: no key is marked for them (--lease-api-key); HTTP bodies only")
@@ -197,6 +216,11 @@ class Lifecycle:
         extractor = self.state.extractor
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
+            if self.workers is not None:
+                reason = self.workers.check()
+                if reason:
+                    self.fail(reason)
+                    return
             if extractor.dead:
                 log.error("the vLLM engine died; exiting so the orchestrator restarts this server")
                 if extractor.notices is not None:

@@ -42,6 +42,7 @@ class Metrics:
             "hsx_leases", "Same-host leases: granted, released, expired, unsent, client_gone", ["outcome"], registry=r
         )
         self.leases_live = Gauge("hsx_leases_live", "Same-host leases not yet released", registry=r)
+        self.http_workers = Gauge("hsx_http_workers", "HTTP worker processes alive (--http-workers)", registry=r)
         self.latency = Histogram(
             "hsx_request_seconds",
             "Time from admission to the last body byte",

@@ -8,6 +8,7 @@ over after a failure or it was handed over to a same-host lease.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -18,17 +19,17 @@ import numpy as np
 
 from hsx import __version__ as hsx_version
 from hsx.dtypes import st_code
-from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, MEDIA_TYPE, TensorSpec, encode_header
+from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, TensorSpec, encode_header
 from hsx_service.admission import AdmissionGate, Ticket
 from hsx_service.arena import Reservation
 from hsx_service.engine import Extractor
 from hsx_service.errors import BadInput, NoSupervisedTokens, TooLarge
-from hsx_service.lease import Leases
+from hsx_service.body import encode_body
+from hsx_service.lease import Leases, SendReport
 from hsx_service.metrics import Metrics
 from hsx_service.protocol import HiddenStatesRequest
-from hsx import bf16split
-from hsx_service.compress import CompressPool, default_threads, stream_bf16split
-from hsx_service.response import Body, Stats, stream_identity, stream_zstd
+from hsx_service.compress import CompressPool, default_threads
+from hsx_service.response import Body, Stats, stream_identity
 from hsx_service.settings import ServiceSettings
 from hsx_service.tokenize import Encoded
 from hsx_service.tokenize_pool import TokenizerPool
@@ -59,7 +60,7 @@ class Reply:
 
 class HiddenStatesService:
     def __init__(self, settings: ServiceSettings, extractor: Extractor, tokenizer: TokenizerPool, metrics: Metrics,
-                 gate: AdmissionGate):
+                 gate: AdmissionGate, http_workers: int = 0):
         self.settings = settings
         self.extractor = extractor
         self.tokenizer = tokenizer
@@ -76,7 +77,9 @@ class HiddenStatesService:
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
                                      settings.zstd_level)
         self.leases: Leases | None = None
-        if settings.shm_lease:
+        # HTTP workers (front.py) take their states under leases of their own, so the
+        # lease table exists with them even where clients get none (--shm-lease false).
+        if settings.shm_lease or http_workers:
             self.leases = Leases(settings.lease_timeout, on_end=lambda outcome: metrics.leases.labels(outcome).inc())
         gate.engine_dead = lambda: extractor.dead
         allocator = extractor.allocator
@@ -187,10 +190,11 @@ class HiddenStatesService:
 
     # ------------------------------------------------------------------- the request
     async def run(self, req: HiddenStatesRequest, request_id: str, ticket: Ticket, coding: str,
-                  lease: bool = False, session: str | None = None) -> Reply:
+                  lease: bool = False, session: str | None = None, front: bool = False) -> Reply:
         """Prepare, admit (`ticket`), prefill; raises ServiceError on refusal. `lease`:
         answer with a lease on the arena range instead of the states' bytes (lease.py);
-        the range then lives until the lease is released or expires. `coding`: identity,
+        the range then lives until the lease is released or expires. `front`: the lease is
+        an HTTP worker's (front.py), which sends the body itself. `coding`: identity,
         zstd or bf16split (response.choose_coding)."""
         t_start = time.perf_counter()
         prep = await self.prepare(req)
@@ -211,10 +215,10 @@ class HiddenStatesService:
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
         return self._reply(req, prep, reservation, request_id, coding, lease and self.leases is not None, started,
-                           session)
+                           session, front)
 
     def _reply(self, req: HiddenStatesRequest, prep: Prepared, reservation: Reservation, request_id: str,
-               coding: str, lease: bool, started: float, session: str | None = None) -> Reply:
+               coding: str, lease: bool, started: float, session: str | None = None, front: bool = False) -> Reply:
         t_send = time.perf_counter()
         f = self.facts
         ids = prep.encoded.token_ids
@@ -226,57 +230,65 @@ class HiddenStatesService:
             specs.append(TensorSpec("loss_mask", "U8", (n,)))
             parts.append(np.asarray(prep.encoded.loss_mask, dtype=np.uint8).tobytes())
         metadata = self._metadata(req, prep, request_id)
-        lease_id = None
-        if lease:
-            specs.pop(0)
-            parts.pop(0)
-            extent = reservation.extent
-            lease_id = self.leases.grant(reservation.hand_over(), session)
-            self.metrics.leases.labels("granted").inc()
-            metadata["lease"] = json.dumps({
-                "id": lease_id, "arena_id": self.extractor.arena.arena_id, "offset": extent.offset,
-                "nbytes": extent.nbytes, "dtype": states.dtype, "shape": list(states.shape),
-                "expires_in": self.settings.lease_timeout,
-            })
-        body = Body([encode_header(specs, metadata), *parts])
         stats = Stats()
-        closed = False
+        headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n)}
+        if not lease:
+            body_headers, stream = encode_body(specs, parts, metadata, coding, stats, self.compress)
+            headers.update(body_headers)
 
-        def close() -> None:
-            nonlocal closed
-            if closed:
-                return
-            closed = True
-            if lease_id is not None:
-                if not stats.complete:  # the client never got the lease: take the range back
-                    self.leases.release(lease_id, "unsent")
-                raw = reservation.extent.nbytes
-            else:
+            def close_body() -> None:
                 reservation.release()
-                raw = stats.raw
-            self.metrics.sent(raw, stats.wire)
-            self.metrics.tokens.inc(n)
-            self.metrics.requests.labels("ok" if stats.complete else "aborted").inc()
-            self.metrics.latency.observe(time.perf_counter() - started)
-            self.metrics.phase.labels("send").observe(time.perf_counter() - t_send)
-            if lease_id is None:  # pool seconds in this body's copies or compression, within send
-                self.metrics.phase.labels("encode_identity" if coding == "identity" else "compress").observe(stats.work_s)
+                self._record(n, stats.raw, stats.wire, stats.complete, started, time.perf_counter() - t_send,
+                             stats.work_s, coding)
 
-        headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n), "Content-Type": MEDIA_TYPE}
-        if lease_id is not None:  # a few KB: never worth compressing
-            headers["Content-Type"] = LEASE_MEDIA_TYPE
-            headers["Content-Length"] = str(body.nbytes)
-            stream = stream_identity(body, stats)
-        elif coding == "bf16split" and states.dtype == "BF16":  # a zstd stream of its own media type
-            headers["Content-Type"] = bf16split.MEDIA_TYPE
-            stream = stream_bf16split(specs, metadata, parts, stats, self.compress)
-        elif coding in ("zstd", "bf16split"):
-            headers["Content-Encoding"] = "zstd"
-            stream = stream_zstd(body, stats, self.settings.zstd_level, self.compress.executor)
+            return Reply(headers, stream, _once(close_body))
+
+        specs.pop(0)
+        parts.pop(0)
+        extent = reservation.extent
+        # An HTTP worker's lease (front.py) lasts until it has sent the body, however slow
+        # its client; it reports what it sent when it releases the lease (its metrics are
+        # recorded then). A same-host client's lease expires after --lease-timeout.
+        on_end = functools.partial(self._front_lease_ended, n, started) if front else None
+        lease_id = self.leases.grant(reservation.hand_over(), session, expires=not front, on_end=on_end)
+        self.metrics.leases.labels("granted").inc()
+        metadata["lease"] = json.dumps({
+            "id": lease_id, "arena_id": self.extractor.arena.arena_id, "offset": extent.offset,
+            "nbytes": extent.nbytes, "dtype": states.dtype, "shape": list(states.shape),
+            "expires_in": None if front else self.settings.lease_timeout,
+        })
+        body = Body([encode_header(specs, metadata), *parts])
+        headers["Content-Type"] = LEASE_MEDIA_TYPE  # a few KB: never worth compressing
+        headers["Content-Length"] = str(body.nbytes)
+
+        def close_lease() -> None:
+            if not stats.complete:  # the client never got the lease: take the range back
+                self.leases.release(lease_id, "unsent")
+            if not front:
+                self._record(n, extent.nbytes, stats.wire, stats.complete, started, time.perf_counter() - t_send)
+
+        return Reply(headers, stream_identity(body, stats), _once(close_lease))
+
+    def _record(self, n: int, raw: int, wire: int, complete: bool, started: float, send_s: float,
+                work_s: float | None = None, coding: str = "identity") -> None:
+        """One finished response in the metrics (`work_s`: pool seconds of its copies or
+        compression, within send; none for a lease)."""
+        self.metrics.sent(raw, wire)
+        self.metrics.tokens.inc(n)
+        self.metrics.requests.labels("ok" if complete else "aborted").inc()
+        self.metrics.latency.observe(time.perf_counter() - started)
+        self.metrics.phase.labels("send").observe(send_s)
+        if work_s is not None:
+            self.metrics.phase.labels("encode_identity" if coding == "identity" else "compress").observe(work_s)
+
+    def _front_lease_ended(self, n: int, started: float, outcome: str, report: SendReport | None) -> None:
+        """An HTTP worker's lease ended: released with its report of the body it sent, or
+        ended unsent / with the worker (`client_gone`): an aborted request."""
+        if report is None:
+            self._record(n, 0, 0, False, started, 0.0)
         else:
-            headers["Content-Length"] = str(body.nbytes)
-            stream = stream_identity(body, stats)
-        return Reply(headers, stream, close)
+            self._record(n, report.raw, report.wire, report.complete and outcome == "released", started,
+                         report.send_s, report.work_s, report.coding)
 
     def _metadata(self, req: HiddenStatesRequest, prep: Prepared, request_id: str) -> dict[str, str]:
         f = self.facts
@@ -300,8 +312,22 @@ class HiddenStatesService:
             "num_input_tokens": prep.input_tokens,
         }
 
-    def release_lease(self, lease_id: str) -> bool:
-        return self.leases is not None and self.leases.release(lease_id)
+    def release_lease(self, lease_id: str, report: SendReport | None = None) -> bool:
+        """A client's release (True: its read was valid), or an HTTP worker's, with its report."""
+        return self.leases is not None and self.leases.release(lease_id, detail=report)
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """`fn`, run at most once however often it is called (a Reply's close)."""
+    done = False
+
+    def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn()
+
+    return run
 
 
 def text_bytes(req: HiddenStatesRequest) -> int:

