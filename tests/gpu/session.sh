@@ -8,7 +8,7 @@
 #   bash tests/gpu/session.sh check 0.33.0        # carry the last part: assemble, load check, check_cuda
 #   bash tests/gpu/session.sh extra 0.33.0        # stories260K chats, tiny MoE and hybrid, every layer
 #   bash tests/gpu/session.sh bench 0.33.0        # hsx bench --h200
-#   bash tests/gpu/session.sh bench17 0.33.0 preset|8b [WORKERS]   # issue 17's HTTP rows, client workers
+#   bash tests/gpu/session.sh bench17 0.33.0 preset|8b [WORKERS [HTTP_WORKERS]]   # issue 17's HTTP rows
 # Results land in $OUT (check-*.json, bench-*.json, logs). Consecutive calls must follow within the
 # machine's 30 s warm time: /tmp (the stashed parts, the assembled kit) goes with the machine.
 set -euo pipefail
@@ -112,6 +112,9 @@ bench17)
     . tests/gpu/kit/env.sh
     shape=${3:?preset or 8b}
     workers=${4:-8}
+    http_workers=${5:-auto}  # hsx serve --http-workers (auto: the server's default)
+    server=()
+    [ "$http_workers" = auto ] || server=(--server-arg="--http-workers=$http_workers")
     if [ "$shape" = 8b ]; then
         llama8b="layers=32,hidden=4096,ffn=14336,heads=32,kv_heads=8,vocab=128256,dtype=bfloat16,max_pos=4096"
         model=(--make-model "$llama8b" --prompts 128 --prompt-len 2048 --layers "2,16,29,32" --concurrency 64 --warmup 16
@@ -119,9 +122,10 @@ bench17)
     else
         model=(--h200)
     fi
-    python3 -m hsx.cli bench "${model[@]}" --modes a,c --transfer http:none,http:zstd "${remote_bench[@]}" \
-        --workers "$workers" --out "$out/bench17-$shape-w$workers-$ver.json" 2>&1 \
-        | tee "$out/bench17-$shape-w$workers-$ver.log"
+    tag=$shape-w$workers-h$http_workers-$ver
+    python3 -m hsx.cli bench "${model[@]}" --modes "${MODES:-a,c}" --transfer "${TRANSFER:-http:none,http:zstd}" \
+        "${remote_bench[@]}" "${server[@]}" --workers "$workers" --out "$out/bench17-$tag.json" 2>&1 \
+        | tee "$out/bench17-$tag.log"
     ;;
 *)
     echo "session.sh: unknown step $step (prepare, stash, check, extra, bench, bench17)" >&2
