@@ -163,7 +163,8 @@ class ArenaSocket:
 
     def __init__(self, arena_fd: int, arena_id: str, arena_size: int, api_keys: list[str],
                  lease_keys: list[str] | None = None,
-                 on_session_end: Callable[[str], None] | None = None, internal_key: str | None = None):
+                 on_session_end: Callable[[str], None] | None = None, internal_key: str | None = None,
+                 clients: bool = True):
         self.name = f"hsx-lease-{arena_id}"
         self.boot_id = boot_id()  # of this host, for /info's offer
         self._fd = arena_fd
@@ -173,6 +174,7 @@ class ArenaSocket:
         self._lease_keys = [k.encode() for k in (lease_keys or [])]
         # The HTTP workers' key (fronts.py): they map the arena whatever the client keys say.
         self._internal_key = [internal_key.encode()] if internal_key else []
+        self._clients = clients  # False (--shm-lease false): the HTTP workers alone may map the arena
         self._on_session_end = on_session_end  # called in the event loop's thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sessions: set[str] = set()  # live ones; read by the event loop
@@ -254,6 +256,8 @@ class ArenaSocket:
     def _allowed(self, conn: socket.socket, key: bytes) -> bool:
         if self._internal_key and key_matches(key, self._internal_key):
             return True
+        if not self._clients:
+            return False
         if self._keys:
             return key_may_lease(key, self._keys, self._lease_keys)
         _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
@@ -268,7 +272,8 @@ class ArenaSocket:
                 return None
             line += chunk
         if not self._allowed(conn, line.strip()):
-            reason = ("not allowed: this API key may not take leases (the server's --lease-api-key)" if self._keys
+            reason = ("not allowed: this server offers no leases (--shm-lease false)" if not self._clients
+                      else "not allowed: this API key may not take leases (the server's --lease-api-key)" if self._keys
                       else "not allowed: another user")
             conn.sendall(json.dumps({"error": reason}).encode())
             return None

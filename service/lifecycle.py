@@ -196,7 +196,7 @@ class Lifecycle:
                     st.arena_socket = ArenaSocket(
                         arena.ro_fd, arena.arena_id, arena.size, st.settings.accepted_keys,
                         lease_keys=st.settings.lease_api_key, on_session_end=service.leases.end_session,
-                        internal_key=st.front_token,
+                        internal_key=st.front_token, clients=st.settings.shm_lease,
                     ).start()
                     if st.settings.api_key and not st.settings.lease_api_key:
                         log.info("same-host leases: no key is marked for them (--lease-api-key); HTTP bodies only")
