@@ -25,7 +25,7 @@ from hsx_service.engine import Extractor
 from hsx_service.errors import Draining, LeaseGone, NotAvailable, NotReady, install_error_handlers
 from hsx_service.guard import GuardMiddleware
 from hsx_service.auth import key_matches
-from hsx_service.lease import SENT_HEADER, SESSION_HEADER, ArenaSocket, SendReport, key_may_lease
+from hsx_service.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, ArenaSocket, SendReport, key_may_lease
 from hsx_service.metrics import Metrics
 from hsx_service.norm import FinalNorm
 from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
@@ -62,6 +62,9 @@ class ServerState:
     # their own, reports on release). None when this process serves HTTP itself.
     front_token: str | None = None
     http_workers: int = 0
+    # An HTTP worker's requests in progress by their exchange id, so that it can abort one whose
+    # client left (DELETE /exchanges/{id}) without dropping the connection (and a lease with it).
+    exchanges: dict[str, asyncio.Future] = field(default_factory=dict)
     tokenizer_pool: TokenizerPool | None = None  # once the engine has started
     # Set when the drain's --shutdown-timeout is over: requests still being prepared or
     # prefilled are answered 503 (never a closed connection or a bare 500).
@@ -190,6 +193,9 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         coding = choose_coding(request.headers.get("accept"), request.headers.get("accept-encoding"), service.facts.dtype)
         work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, coding, lease,
                                                  session, front))
+        exchange = request.headers.get(EXCHANGE_HEADER) if front else None
+        if exchange:
+            st.exchanges[exchange] = work
         gone = asyncio.ensure_future(_client_gone(request))
         cut_off = asyncio.ensure_future(st.cut_off.wait())
         try:
@@ -197,6 +203,11 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         finally:
             gone.cancel()
             cut_off.cancel()
+            if exchange:
+                st.exchanges.pop(exchange, None)
+        if work.cancelled():  # aborted by the HTTP worker whose client left
+            service.metrics.requests.labels("disconnected").inc()
+            return Response(status_code=499)
         if not work.done():
             # Cancelling aborts the engine request (or stops its tokenizer process) and frees its memory.
             work.cancel()
@@ -240,6 +251,18 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         report = SendReport.parse(request.headers.get(SENT_HEADER)) if _is_front(s, request) else None
         if not s.service.release_lease(lease_id, report):
             raise LeaseGone(f"lease {lease_id[:64]!r} is unknown or expired; its states may be overwritten, redo the request")
+        return Response(status_code=204)
+
+    @app.delete("/exchanges/{exchange}", include_in_schema=False, status_code=204, response_class=Response)
+    async def abort_exchange(exchange: str, request: Request):
+        """An HTTP worker's client left: abort that request if it is still being prepared or
+        prefilled (the worker still reads its answer, and releases a lease in it)."""
+        s = state(request)
+        if not _is_front(s, request):
+            raise NotAvailable("not found")
+        work = s.exchanges.get(exchange)
+        if work is not None:
+            work.cancel()
         return Response(status_code=204)
 
     return app

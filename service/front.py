@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -49,7 +50,7 @@ from hsx_service.body import encode_body
 from hsx_service.compress import CompressPool
 from hsx_service.errors import EngineFailure, NotReady, ServiceError, render
 from hsx_service.guard import GuardMiddleware
-from hsx_service.lease import SENT_HEADER, SESSION_HEADER, SendReport
+from hsx_service.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, SendReport
 from hsx_service.metrics import Metrics
 from hsx_service.response import Stats, choose_coding
 from hsx_service.settings import ServiceSettings
@@ -183,22 +184,33 @@ class FrontApp:
         if body is None:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        arena = None if LEASE_MEDIA_TYPE in headers.get("accept", "") else await self._arena()
-        if arena is None:  # a same-host client's own lease, or no mapping here: the engine process answers
+        # A same-host client asking a lease of its own (where the server offers them) or no
+        # mapping here: the engine process answers it itself.
+        client_lease = self.settings.shm_lease and LEASE_MEDIA_TYPE in headers.get("accept", "")
+        arena = None if client_lease else await self._arena()
+        if arena is None:
             return await self._relay(scope, receive, send, body)
-        forward = {"content-type": "application/json", "accept": LEASE_MEDIA_TYPE,
+        # identity: were the answer a body after all (the engine process did not know this
+        # worker's session), it is relayed as read, with no Content-Encoding to mislabel.
+        forward = {"content-type": "application/json", "accept": LEASE_MEDIA_TYPE, "accept-encoding": "identity",
                    "authorization": f"Bearer {self.token}", SESSION_HEADER: arena.session}
         if rid:
             forward["x-request-id"] = rid
+        exchange = forward[EXCHANGE_HEADER] = secrets.token_hex(16)
         work = asyncio.ensure_future(self.client.post("/hidden_states", content=body, headers=forward))
         gone = asyncio.ensure_future(_client_gone(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not work.done():  # the client left: closing the connection aborts the prefill there
-                gone.cancel()
-                work.cancel()
-        if not work.done() or work.cancelled():
+        except BaseException:
+            work.cancel()
+            gone.cancel()
+            raise
+        if not work.done():
+            # The client left. The exchange is never cut short: once the engine process has
+            # written a lease answer it counts it delivered, and only this worker can end that
+            # lease. The engine process is asked to abort the request instead; its answer
+            # (499, or a lease if it was done first) is still read, and a lease released.
+            await self._abort(exchange, work)
             return
         try:
             answer = work.result()
@@ -213,6 +225,23 @@ class FrontApp:
             await send({"type": "http.response.body", "body": answer.content, "more_body": False})
             return
         await self._send_leased(answer, headers, arena, send, gone)
+
+    async def _abort(self, exchange: str, work: asyncio.Future) -> None:
+        try:
+            await self.client.delete(f"/exchanges/{exchange}", headers={"authorization": f"Bearer {self.token}"})
+        except httpx.HTTPError as exc:
+            log.warning("abort of a request whose client left failed: %s", exc)
+        try:
+            answer = await work
+        except httpx.HTTPError:
+            return  # no answer: nothing was granted, or the engine process saw the connection fail
+        if answer.status_code != 200 or answer.headers.get("content-type") != LEASE_MEDIA_TYPE:
+            return
+        try:
+            lease_id = lease_of(answer.content)["id"]
+        except WireFormatError:
+            return
+        await self._release(lease_id, SendReport(0, 0, False, 0.0, 0.0, "identity"))
 
     async def _send_leased(self, answer: httpx.Response, headers: dict[str, str], arena, send,
                            gone: asyncio.Future) -> None:

@@ -69,6 +69,7 @@ class _Lease:
 
 
 SENT_HEADER = "X-Hsx-Sent"  # an HTTP worker's report on its lease release (SendReport)
+EXCHANGE_HEADER = "X-Hsx-Exchange"  # an HTTP worker's id for one forwarded request (DELETE /exchanges/{id} aborts it)
 
 
 @dataclass

@@ -8,6 +8,7 @@ over after a failure or it was handed over to a same-host lease.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -208,6 +209,9 @@ class HiddenStatesService:
         started = time.perf_counter()
         try:
             timing = await self.extractor.extract(ids, prep.layer_index, reservation, request_id)
+        except asyncio.CancelledError:  # a hang-up or the drain's cut-off: the route counts it
+            reservation.release()
+            raise
         except BaseException:
             reservation.release()  # does nothing when the engine took the range over
             self.metrics.requests.labels("error").inc()
