@@ -203,8 +203,13 @@ async def test_leased_states_equal_the_http_body(tiny_server):
             assert leased.lease is not None and len(leased.body) < 1024 + 9 * len(ids)
             a, b = body.decode(), leased.decode()
             assert b.token_ids.tolist() == ids and b.metadata["layer_ids"] == a.metadata["layer_ids"]
-            # Sequential single requests: the same computation, so the same bytes.
-            assert bytes(leased.lease.states) == a.hidden_states.reshape(-1).view(torch.uint8).numpy().tobytes()
+            # The second request of a prompt hits the prefix cache and recomputes only its last
+            # block, in another batch shape; on AMX CPUs (seen 2026-12-02) that rounds a few bf16
+            # values an ulp apart. So: the same states, nearly all of them bit for bit (a wrong
+            # range would match nowhere).
+            assert b.hidden_states.shape == a.hidden_states.shape
+            torch.testing.assert_close(b.hidden_states.float(), a.hidden_states.float(), rtol=2e-2, atol=1e-2)
+            assert (b.hidden_states != a.hidden_states).float().mean().item() < 0.01
             await client.release_lease(leased.lease)
             with pytest.raises(LeaseExpiredError, match="expired"):
                 await client.release_lease(leased.lease)  # once only
