@@ -219,7 +219,7 @@ class FrontApp:
             raise _unreachable(exc) from exc
         if answer.status_code != 200 or answer.headers.get("content-type") != LEASE_MEDIA_TYPE:
             gone.cancel()  # an error (or a body the engine process sent itself): as it is
-            out = [(k, v) for k, v in _forwarded_headers(answer.headers.raw)]
+            out = _forwarded_headers(answer.headers.raw)
             out.append((b"content-length", str(len(answer.content)).encode()))
             await send({"type": "http.response.start", "status": answer.status_code, "headers": out})
             await send({"type": "http.response.body", "body": answer.content, "more_body": False})
