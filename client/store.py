@@ -229,9 +229,11 @@ def _is_temp(name: str) -> bool:
     return name.startswith(".") and TMP_MARK in name
 
 
-def clean_temp_files(root: Path) -> int:
-    """Remove the temporary files and directories a crashed writer left under `root`.
-    Returns how many."""
+def clean_temp_files(root: Path, pid: int | None = None) -> int:
+    """Remove the temporary files and directories a crashed writer left under `root`
+    (only those process `pid` named, when given: a dead extract worker's, while the
+    others write on). Returns how many."""
+    mark = TMP_MARK if pid is None else f"{TMP_MARK}{pid}-"
     removed = 0
     stack = [Path(root)]
     while stack:
@@ -242,7 +244,7 @@ def clean_temp_files(root: Path) -> int:
             continue
         for e in entries:
             is_dir = e.is_dir(follow_symlinks=False)
-            if _is_temp(e.name):
+            if _is_temp(e.name) and mark in e.name:
                 if is_dir:
                     shutil.rmtree(e.path, ignore_errors=True)
                 else:

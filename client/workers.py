@@ -15,7 +15,8 @@ So the crash rules stay those of the in-process loop: a sample counts once its l
 disk, written by one process. A worker that dies (SIGKILL, OOM) is noticed by its process
 sentinel; what it had sent is read to the end of its pipe, and every index it held
 without a line is handed to a new worker (files it left half-written are temporary files
-`store.clean_temp_files` removes; whole files without a line are overwritten atomically).
+named with its pid, which the parent removes at once; whole files without a line are
+overwritten atomically).
 After RESTARTS deaths the run stops, resumable (exit 1, as RunState.fatal). Ctrl-C/SIGTERM
 reach the parent (workers ignore SIGINT: a terminal sends it to the whole group); it tells
 the workers to stop, they finish their stores and report, and the run exits 130. A parent
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from . import store
 from .plan import DROPPED
 from .run import RunHooks, RunLoop, RunState, StopSignals, default_write_workers
 
@@ -318,6 +320,9 @@ class WorkerPool:
         self.deaths += 1
         log.warning("worker process %d died (exit code %s) holding %d sample(s); handing them on",
                     w.proc.pid, w.proc.exitcode, len(w.held))
+        # Its half-written files: removed now (before a new worker could reuse the pid), so a
+        # run that completes leaves none; the next writer's sweep would only catch them later.
+        store.clean_temp_files(self.state.out, pid=w.proc.pid)
         if self.deaths > RESTARTS:
             self._stop_on(WorkerError(f"worker processes died {self.deaths} times (last exit code "
                                       f"{w.proc.exitcode}); rerun the same command to resume"), "workers died")

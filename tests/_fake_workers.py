@@ -49,6 +49,8 @@ def fake_worker(conn, spec) -> None:
             time.sleep(s.get("slow", 0))
             files = store.write_files_atomic(out, {f"s/{index}.bin": sample.key.encode() * 100})
             if dies and s.get("unsent") and stored + 1 >= s["die_after"]:  # files written, no line
+                if s.get("half_written"):  # and one more cut off mid-write, as a kill leaves it
+                    store._tmp_name(out / "s" / f"{index}.next").write_bytes(b"half")
                 os.kill(os.getpid(), signal.SIGKILL)
             conn.send(("stored", {"key": sample.key, "index": index, "files": files, "record": {}, "tokens": 3,
                                   "request_id": f"r{index}"}))

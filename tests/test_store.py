@@ -58,6 +58,15 @@ def test_clean_temp_files(tmp_path):
     assert not left.exists() and keep.exists()
 
 
+def test_clean_temp_files_of_one_process_keeps_the_others(tmp_path):
+    dead = tmp_path / f".a.bin{store.TMP_MARK}123-abcd"
+    alive = tmp_path / f".b.bin{store.TMP_MARK}1234-abcd"  # a pid that merely starts alike
+    dead.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    assert store.clean_temp_files(tmp_path, pid=123) == 1
+    assert not dead.exists() and alive.exists()
+
+
 def test_a_formats_own_temp_names_are_cleaned_after_a_crash(tmp_path, monkeypatch):
     """finalize's scratch table dir and its atomic single files use the store's names, so
     what a crash leaves of them goes with the next run's clean-up, like sample files."""

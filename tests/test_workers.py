@@ -53,6 +53,14 @@ def test_a_sigkilled_worker_is_replaced_and_nothing_is_lost_or_doubled(tmp_path,
     assert sorted(lines) == list(range(N))
 
 
+def test_a_dead_worker_s_half_written_files_go_at_once(tmp_path):
+    """A worker killed mid-write leaves a temporary file; a run that completes leaves none
+    (the parent removes the dead pid's, the other workers' writes go on)."""
+    st, pool, lines = run_pool(tmp_path, die_after=5, die_once=True, unsent=True, half_written=True)
+    assert pool.deaths == 1 and sorted(lines) == list(range(N))
+    assert not [p for p in (tmp_path / "out").rglob("*") if store.TMP_MARK in p.name]
+
+
 def test_workers_that_keep_dying_stop_the_run_resumable(tmp_path):
     st, pool, lines = run_pool(tmp_path, die_after=2)
     assert pool.deaths > RESTARTS
