@@ -72,7 +72,7 @@ NO_SUPERVISED = "no_supervised_tokens"  # the server's error type for require_su
 class RunHooks:
     """Callbacks on the loop's events, run on the event loop (keep them quick)."""
 
-    on_start: Callable[["RunState"], None] | None = None  # the workers are about to start
+    on_start: Callable[["RunState"], None] | None = None  # the workers are about to send (processes: all ready)
     on_stored: Callable[["RunState", int, dict], None] | None = None  # a manifest line is on disk
     on_failed: Callable[["RunState", int, dict], None] | None = None  # a failed.jsonl line is on disk
     on_end: Callable[["RunState"], None] | None = None  # every worker has returned

@@ -157,6 +157,7 @@ async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec, books: dict
                     return
 
         threading.Thread(target=read, name="hsx-worker-feed", daemon=True).start()
+        outbox.send(("ready",))  # imports done, client up: the parent may start its clock and feed us
         try:
             await loop.run([])
         finally:
@@ -173,6 +174,7 @@ class _Worker:
         self.held: set[int] = set()  # indices sent, with no manifest/failed line yet
         self.reported_exit = False
         self.ended = False  # told "end" or "stop"
+        self.ready = False  # said "ready": its imports (torch: seconds) and client are done
 
 
 class WorkerPool:
@@ -188,6 +190,7 @@ class WorkerPool:
         self.target = target  # tests swap in a worker that misbehaves
         self.window = 2 * spec.concurrency + 2  # indices a worker holds at most
         self.deaths = 0
+        self._started = False  # every first worker was ready; samples flow
         self._signals = StopSignals(self.request_stop)
         self._mp = mp.get_context("spawn")
 
@@ -218,11 +221,16 @@ class WorkerPool:
         live: list[_Worker] = []
         if self.handle_signals:
             self._signals.install(asyncio.get_running_loop())
+        self._started = False
         try:
-            if self.hooks.on_start is not None:
-                self.hooks.on_start(st)
             live = [self._start() for _ in range(min(self.workers, len(todo)))]
             while live:
+                if not self._started and all(w.ready for w in live):
+                    # Samples go out once every first worker is ready, and on_start marks
+                    # that: a run's clock (hsx bench) starts at its first request, as the
+                    # in-process loop's does, not seconds earlier while N processes import.
+                    self._started = True
+                    self._on_start()
                 for w in live:
                     self._feed(w, pending)
                 objs = [w.conn for w in live] + [w.proc.sentinel for w in live]
@@ -241,11 +249,17 @@ class WorkerPool:
             for w in live:  # an exception in the parent: the workers must not outlive it
                 w.proc.kill()
                 w.proc.join()
+            if not self._started:
+                self._on_start()  # the hooks stay paired however the run ended
             if self.hooks.on_end is not None:
                 self.hooks.on_end(st)
 
+    def _on_start(self) -> None:
+        if self.hooks.on_start is not None:
+            self.hooks.on_start(self.state)
+
     def _feed(self, w: _Worker, pending: deque[int]) -> None:
-        if w.ended:
+        if w.ended or not (w.ready and self._started or self.state.stopping):
             return
         try:
             if self.state.stopping:
@@ -279,7 +293,9 @@ class WorkerPool:
     def _handle(self, w: _Worker, msg: tuple) -> None:
         st = self.state
         kind = msg[0]
-        if kind == "stored":
+        if kind == "ready":
+            w.ready = True
+        elif kind == "stored":
             entry = msg[1]
             index = entry["index"]
             st.manifest.append(entry)  # the one writer; fsync'ed before the sample counts

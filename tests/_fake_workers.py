@@ -34,6 +34,8 @@ def fake_worker(conn, spec) -> None:
     s, out = spec.corpus["settings"], spec.corpus["out"]
     dies = s.get("die_after") is not None and (not s.get("die_once") or _claim(out, "died"))
     stored = 0
+    time.sleep(s.get("start_delay", 0))  # a slow start (imports) before it says ready
+    conn.send(("ready",))
     while True:
         try:
             msg = conn.recv()

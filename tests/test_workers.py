@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -30,7 +31,8 @@ def run_pool(tmp_path, workers=2, stop_after=None, **behaviour):
                       by_key={k: Sample(k, {}) for k in keys}, manifest=manifest, failed_log=failed, done={},
                       failed={}, progress=Progress(N, quiet=True))
         spec = WorkerSpec(client_args={}, corpus=dict(out=out, settings=behaviour), concurrency=2, write_workers=2)
-        hooks = RunHooks(on_stored=lambda st, i, e: len(st.done) == stop_after and pool.request_stop("interrupted"))
+        hooks = RunHooks(on_stored=lambda st, i, e: len(st.done) == stop_after and pool.request_stop("interrupted"),
+                         on_start=lambda st: st.settings.setdefault("started_at", (time.monotonic(), len(st.done))))
         pool = WorkerPool(st, spec, workers=workers, hooks=hooks, target=fake_worker)
         asyncio.run(pool.run(list(range(N))))
     lines = [json.loads(x)["index"] for x in (out / store.MANIFEST_NAME).read_text().splitlines()]
@@ -44,6 +46,16 @@ def test_every_sample_once_across_workers(tmp_path):
     assert sorted(lines) == list(range(N)) and st.fatal is None and pool.deaths == 0
     assert st.progress.samples == N
     assert st.worker_stats == {"u": {"ok": N, "healthy": True}} and st.store_s == pytest.approx(1.5)
+
+
+def test_the_clock_starts_once_every_worker_is_ready(tmp_path):
+    """on_start (hsx bench's t0) waits for the worker processes' start-up, so a run's
+    figure is its requests' time, as with the in-process loop; then every sample is done."""
+    t0 = time.monotonic()
+    st, pool, lines = run_pool(tmp_path, workers=3, start_delay=1.0)
+    started_at, done_then = st.settings["started_at"]
+    assert started_at - t0 >= 1.0 and done_then == 0
+    assert sorted(lines) == list(range(N))
 
 
 @pytest.mark.parametrize("unsent", [False, True], ids=["after-its-line", "files-written-no-line"])

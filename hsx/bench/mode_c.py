@@ -200,6 +200,8 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     finally:
         tree = sampler.stop() if sampler is not None else None
     res["run_s"] = time.monotonic() - t_run
+    # Before the clock: planning, and with --workers the processes' start (imports, clients).
+    res["start_s"] = timings["t0"] - t_run if "t0" in timings else None
     if result.exit_code != 0:
         raise RuntimeError(f"hsx extract ended {result.status}: {result.summary}\n{server.log_tail()}")
     stats = next(iter(timings["stats"].values()))
