@@ -110,4 +110,6 @@ def _http_profile(transfer: str, one: dict[str, Any]) -> str | None:
     if cp:
         line += (f"; client receive {cp['receive_s']:.3f}, decode {cp['decode_s']:.3f}, store {cp['store_s']:.3f}"
                  f" (at {cp.get('concurrency')} in flight)")
+    if one.get("start_s") is not None:  # not in the figure: planning and the worker processes' start
+        line += f"; before the clock {one['start_s']:.1f} s"
     return line
