@@ -177,6 +177,7 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
         timings["t0"] = time.monotonic()
 
     def on_stored(run, index, entry) -> None:
+        timings["last_stored"] = time.monotonic()
         stored = run.progress.samples
         if stored % step == 0:
             dt = time.monotonic() - timings["t0"]
@@ -206,7 +207,10 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
         raise RuntimeError(f"hsx extract ended {result.status}: {result.summary}\n{server.log_tail()}")
     stats = next(iter(timings["stats"].values()))
     summ = result.summary
-    measured = timings["t1"] - timings["t0"]
+    # To the last sample on disk, as (a) stops at its last output: with --workers, on_end
+    # comes after the worker processes have also closed their clients and exited.
+    measured = timings.get("last_stored", timings["t1"]) - timings["t0"]
+    res["teardown_s"] = timings["t1"] - timings.get("last_stored", timings["t1"])
     tokens = int(summ.get("tokens") or len(prompts) * ctx["prompt_len"])
     finalize_s = summ.get("finalize_s")
     res.update(

@@ -112,4 +112,6 @@ def _http_profile(transfer: str, one: dict[str, Any]) -> str | None:
                  f" (at {cp.get('concurrency')} in flight)")
     if one.get("start_s") is not None:  # not in the figure: planning and the worker processes' start
         line += f"; before the clock {one['start_s']:.1f} s"
+    if one.get("teardown_s"):  # not in the figure either: the worker processes closing after the last sample
+        line += f", after it {one['teardown_s']:.1f} s"
     return line
