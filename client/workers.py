@@ -11,6 +11,9 @@ Who does what:
              store the files (fsync'ed, checksummed), release the lease, and only then
              send the manifest entry to the parent, which appends it (fsync'ed).
 
+Samples go out once every first worker has said `ready` (its imports, torch included, and its
+client are done: seconds), which is also when the run's `on_start` hook fires.
+
 So the crash rules stay those of the in-process loop: a sample counts once its line is on
 disk, written by one process. A worker that dies (SIGKILL, OOM) is noticed by its process
 sentinel; what it had sent is read to the end of its pipe, and every index it held
