@@ -224,7 +224,6 @@ class WorkerPool:
         live: list[_Worker] = []
         if self.handle_signals:
             self._signals.install(asyncio.get_running_loop())
-        self._started = False
         try:
             live = [self._start() for _ in range(min(self.workers, len(todo)))]
             while live:

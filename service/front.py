@@ -70,6 +70,11 @@ def _forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byte
     return [(k, v) for k, v in raw if k.lower() not in HOP_BY_HOP]
 
 
+def _is_lease(answer: httpx.Response) -> bool:
+    """The engine process granted a lease (else: an error, or a body it sent itself)."""
+    return answer.status_code == 200 and answer.headers.get("content-type") == LEASE_MEDIA_TYPE
+
+
 async def _read_body(receive) -> bytes | None:
     """The request's body (for /hidden_states the guard has read it: one message); None
     when the client left."""
@@ -217,7 +222,7 @@ class FrontApp:
         except httpx.TransportError as exc:
             gone.cancel()
             raise _unreachable(exc) from exc
-        if answer.status_code != 200 or answer.headers.get("content-type") != LEASE_MEDIA_TYPE:
+        if not _is_lease(answer):
             gone.cancel()  # an error (or a body the engine process sent itself): as it is
             out = _forwarded_headers(answer.headers.raw)
             out.append((b"content-length", str(len(answer.content)).encode()))
@@ -235,7 +240,7 @@ class FrontApp:
             answer = await work
         except httpx.HTTPError:
             return  # no answer: nothing was granted, or the engine process saw the connection fail
-        if answer.status_code != 200 or answer.headers.get("content-type") != LEASE_MEDIA_TYPE:
+        if not _is_lease(answer):
             return
         try:
             lease_id = lease_of(answer.content)["id"]

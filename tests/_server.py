@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -122,6 +123,28 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, what:
     while not await check():
         assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
         await asyncio.sleep(POLL)
+
+
+async def sigterm_once_all_admitted(client, server, prompts, headers: dict[str, str] | None = None):
+    """The drain tests' run: POST every prompt, SIGTERM once the server has admitted them all
+    (hsx_queued_tokens), wait for the drain to start, then ask /ready and try one more request.
+    Returns (that /ready answer, that request's answer, the in-flight requests' answers)."""
+    inflight = [asyncio.ensure_future(client.post(server.url + "/hidden_states", json={"input_ids": p},
+                                                  headers=headers))
+                for p in prompts]
+
+    async def all_admitted() -> bool:
+        return (await metrics_async(client, server.url)).get("hsx_queued_tokens") == sum(map(len, prompts))
+
+    async def draining() -> bool:
+        return (await client.get(server.url + "/ready")).status_code == 503
+
+    await eventually(all_admitted, 30, f"the {len(prompts)} requests admitted")
+    server.signal(signal.SIGTERM)
+    await eventually(draining, 10, "SIGTERM started the drain")  # as soon as the signal is handled
+    ready = await client.get(server.url + "/ready")
+    new = await client.post(server.url + "/hidden_states", json={"input_ids": [1, 2, 3]})
+    return ready, new, await asyncio.gather(*inflight)
 
 
 async def engine_dead_or_gone(client, url: str, timeout: float) -> None:

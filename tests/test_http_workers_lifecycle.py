@@ -7,16 +7,14 @@ tests/test_http_workers.py.
 
 from __future__ import annotations
 
-import asyncio
 import random
-import signal
 import socket
 
 import httpx
 import psutil
 import pytest
 
-from _server import ServerProcess, eventually, metrics_async
+from _server import ServerProcess, metrics_async, sigterm_once_all_admitted
 from conftest import need_vllm
 from hsx.wire import LEASE_MEDIA_TYPE, decode
 from hsx_service import fronts
@@ -116,21 +114,8 @@ async def test_with_workers_sigterm_drains_every_body_then_stops_the_workers(tin
             before = await metrics_async(client, server.url)
             assert before.get("hsx_leases_total", outcome="granted") >= 1  # the worker's own
 
-            inflight = [asyncio.ensure_future(client.post(server.url + "/hidden_states", json={"input_ids": p},
-                                                          headers={"accept-encoding": "identity"}))
-                        for p in prompts]
-
-            async def all_admitted() -> bool:
-                return (await metrics_async(client, server.url)).get("hsx_queued_tokens") == 8 * 601
-
-            async def draining() -> bool:
-                return (await client.get(server.url + "/ready")).status_code == 503
-
-            await eventually(all_admitted, 30, "the 8 requests admitted")
-            server.signal(signal.SIGTERM)
-            await eventually(draining, 10, "SIGTERM started the drain")
-            new = await client.post(server.url + "/hidden_states", json={"input_ids": [1, 2, 3]})
-            done = await asyncio.gather(*inflight)
+            _, new, done = await sigterm_once_all_admitted(client, server, prompts,
+                                                           headers={"accept-encoding": "identity"})
         assert new.status_code == 503 and new.json()["error"]["type"] == "draining"
         assert [r.status_code for r in done] == [200] * 8
         assert [decode(r.content).token_ids.tolist() for r in done] == prompts

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import signal
 from pathlib import Path
 
 import httpx
@@ -16,7 +15,8 @@ import psutil
 import pytest
 
 from _reference import per_layer_rel_err, reference_states
-from _server import ServerProcess, engine_dead_or_gone, engine_env, eventually, metrics_async, wait_until
+from _server import (ServerProcess, engine_dead_or_gone, engine_env, eventually, metrics_async,
+                     sigterm_once_all_admitted, wait_until)
 from conftest import need_vllm
 from hsx.wire import decode
 
@@ -206,23 +206,8 @@ async def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(tiny_model, l
     prompts = [[1] + [rng.randrange(6, 1000) for _ in range(900)] for _ in range(12)]
     try:
         async with httpx.AsyncClient(timeout=120) as client:
-            inflight = [asyncio.ensure_future(client.post(server.url + "/hidden_states", json={"input_ids": p}))
-                        for p in prompts]
-
-            async def all_admitted() -> bool:
-                return (await metrics_async(client, server.url)).get("hsx_queued_tokens") == 12 * 901
-
-            async def draining() -> bool:
-                return (await client.get(server.url + "/ready")).status_code == 503
-
-            # All admitted (12 x 900 tokens at 16 tokens per engine step: hundreds of steps) ...
-            await eventually(all_admitted, 30, "the 12 requests admitted")
-            server.signal(signal.SIGTERM)
-            # ... then the drain starts as soon as the signal is handled.
-            await eventually(draining, 10, "SIGTERM started the drain")
-            ready = await client.get(server.url + "/ready")
-            new = await client.post(server.url + "/hidden_states", json={"input_ids": [1, 2, 3]})
-            done = await asyncio.gather(*inflight)
+            # SIGTERM once all are admitted (12 x 900 tokens at 16 tokens per engine step: hundreds of steps).
+            ready, new, done = await sigterm_once_all_admitted(client, server, prompts)
         assert ready.status_code == 503 and ready.json()["status"] == "draining"
         assert new.status_code == 503 and new.json()["error"]["type"] == "draining"
         assert "retry-after" in new.headers

@@ -209,8 +209,9 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     summ = result.summary
     # To the last sample on disk, as (a) stops at its last output: with --workers, on_end
     # comes after the worker processes have also closed their clients and exited.
-    measured = timings.get("last_stored", timings["t1"]) - timings["t0"]
-    res["teardown_s"] = timings["t1"] - timings.get("last_stored", timings["t1"])
+    last = timings.get("last_stored", timings["t1"])
+    measured = last - timings["t0"]
+    res["teardown_s"] = timings["t1"] - last
     tokens = int(summ.get("tokens") or len(prompts) * ctx["prompt_len"])
     finalize_s = summ.get("finalize_s")
     res.update(
