@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from _reference import check_responses
-from _server import STORIES, Servers, ServerProcess, engine_dead_or_gone, engine_env, metrics_async, wait_until
+from _server import (STORIES, Servers, ServerProcess, engine_dead_or_gone, engine_env, eventually, metrics_async,
+                     wait_until)
 from conftest import need_fixtures, need_vllm
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -159,21 +160,36 @@ async def test_tp2_kv_blocks_and_arena_back_to_idle_after_churn(tp_server):
 async def test_tp2_sigterm_drains_and_leaves_no_process(tp_server_to_stop):
     tp_server = tp_server_to_stop
     procs = [psutil.Process(tp_server.proc.pid), *engine_processes(tp_server)]
-    # 96 x 480 tokens at 64 tokens per step: ~720 engine steps (~9 s here), so SIGTERM lands
-    # mid-flight once the server holds half of them. (It used to wait for the first answer; but
-    # with TP 2 spinning on both cores of the CI box the answers reach the client in one burst
-    # near the end, the first one sometimes included: 2026-12-02, with either connector.)
-    prompts = random_prompts(6, 96, lengths=(480,))
+    # SIGTERM must land while every request is in the engine. Watching for that through /metrics
+    # failed on CI twice (2026-12-02): with TP 2 spinning on both cores of the box the API server
+    # answers between engine waves, so one poll saw too few requests and the next came after the
+    # last answer. So the TP workers are frozen (SIGSTOP) while the requests go in: no step can
+    # finish, the API server gets a core, and "in flight" is certain; they resume once the drain
+    # has begun.
+    prompts = random_prompts(6, 48, lengths=(480,))
+    frozen = workers(tp_server)
     async with httpx.AsyncClient(timeout=120) as client:
-        calls = [asyncio.ensure_future(client.post(tp_server.url + "/hidden_states", json={"input_ids": p}))
-                 for p in prompts]
-        while (await metrics_async(client, tp_server.url)).get("hsx_inflight_requests", 0) < len(prompts) // 2:
-            assert not all(c.done() for c in calls), "every request finished before half were in flight"
-            await asyncio.sleep(0.05)
-        tp_server.signal(signal.SIGTERM)
-        pending = sum(not c.done() for c in calls)
+        for w in frozen:
+            w.suspend()
+        try:
+            calls = [asyncio.ensure_future(client.post(tp_server.url + "/hidden_states", json={"input_ids": p}))
+                     for p in prompts]
+
+            async def all_in_flight() -> bool:
+                return (await metrics_async(client, tp_server.url)).get("hsx_inflight_requests") == len(prompts)
+
+            async def draining() -> bool:
+                return (await client.get(tp_server.url + "/ready")).status_code == 503
+
+            await eventually(all_in_flight, 30, f"the {len(prompts)} requests in flight")
+            tp_server.signal(signal.SIGTERM)
+            await eventually(draining, 10, "SIGTERM started the drain")
+            pending = sum(not c.done() for c in calls)
+        finally:
+            for w in frozen:
+                w.resume()
         done = await asyncio.gather(*calls)
-    assert pending > 0, "every request finished before SIGTERM"
+    assert pending == len(prompts), "a request finished while the workers were frozen"
     assert [r.status_code for r in done] == [200] * len(prompts)
     assert tp_server.proc.wait(90) == 0
     gone, alive = psutil.wait_procs(procs, timeout=30)
