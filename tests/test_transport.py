@@ -42,6 +42,11 @@ async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"1000000")]})
         await send({"type": "http.response.body", "body": b"x" * 1000, "more_body": True})
         raise RuntimeError("server dies mid-body")
+    elif path == "/stall":  # a third of the body, then silence past the client's read timeout
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"3000000")]})
+        await send({"type": "http.response.body", "body": b"x" * 1_000_000, "more_body": True})
+        await asyncio.sleep(3)
+        await send({"type": "http.response.body", "body": b"x" * 2_000_000})
     elif path == "/slow":
         await asyncio.sleep(3)
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
@@ -92,6 +97,8 @@ async def test_failures_are_the_right_httpx_errors(url):
             await c.get(url + "/cut")
         with pytest.raises(httpx.ReadTimeout):
             await c.get(url + "/slow")
+        with pytest.raises(httpx.ReadTimeout):  # mid-body too: HsxClient retries it as a timeout
+            await c.get(url + "/stall")
         with pytest.raises(httpx.ConnectError) as ei:
             await c.get(f"http://127.0.0.1:{dead_port()}/big")
         assert not isinstance(ei.value, httpx.TimeoutException)
