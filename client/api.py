@@ -376,6 +376,7 @@ class HsxClient:
         }
         if arena is not None and arena.session:
             headers[shm.SESSION_HEADER] = arena.session
+        t_sent = time.perf_counter()
         try:
             async with http.stream("POST", server.url + "/hidden_states", content=payload, headers=headers) as resp:
                 server.answered = True
@@ -405,6 +406,7 @@ class HsxClient:
         except httpx.HTTPError as exc:
             raise self._wrap_transport_error(exc, server, rid) from exc
         t_body = time.perf_counter()
+        server.response_s += t_headers - t_sent
         server.receive_s += t_body - t_headers
         lease = None
         try:

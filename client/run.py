@@ -102,6 +102,7 @@ class RunState:
     consecutive_5xx: int = 0
     lease_redos: dict[int, int] = field(default_factory=dict)
     store_s: float = 0.0  # summed over samples: decode, encode, write, fsync (bench's profile)
+    life_s: float = 0.0  # summed over answered samples: taken off the queue -> stored (bench's profile)
     worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # --workers: their clients' stats, summed
 
     def request_body(self, index: int) -> dict[str, Any]:
@@ -278,6 +279,7 @@ class RunLoop:
         try:
             while not st.stopping and (st.queue or await self._wait_for_more()):
                 index = st.queue.popleft()
+                t_taken = time.perf_counter()
                 self._phase[task] = "request"
                 try:
                     raw = await self._fetch(index)
@@ -290,6 +292,7 @@ class RunLoop:
                     await self._store_and_record(index, raw)
                 finally:
                     self._phase[task] = "idle"
+                    st.life_s += time.perf_counter() - t_taken
         finally:
             self._phase.pop(task, None)
 

@@ -42,7 +42,8 @@ class ServerState:
     last_pick: int = 0
     wire_bytes: int = 0
     body_bytes: int = 0
-    receive_s: float = 0.0  # summed over bodies: headers in -> last byte in (bench's profile)
+    response_s: float = 0.0  # summed over bodies: request sent -> response headers in (bench's profile)
+    receive_s: float = 0.0  # summed over bodies: headers in -> last byte in
     decode_s: float = 0.0  # summed: decompression and body checks
     last_error: str | None = None
     arena: shm.ArenaMap | None = None  # same-host lease mapping, once attached
@@ -61,6 +62,7 @@ class ServerState:
             "healthy": self.healthy,
             "wire_bytes": self.wire_bytes,
             "body_bytes": self.body_bytes,
+            "response_s": self.response_s,
             "receive_s": self.receive_s,
             "decode_s": self.decode_s,
             "last_error": self.last_error,

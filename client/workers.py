@@ -164,7 +164,7 @@ async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec, books: dict
         try:
             await loop.run([])
         finally:
-            books.update(stats=client.stats(), store_s=state.store_s)
+            books.update(stats=client.stats(), store_s=state.store_s, life_s=state.life_s)
         return None if state.fatal is None else str(state.fatal)
 
 
@@ -322,6 +322,7 @@ class WorkerPool:
             w.reported_exit = True
             books = msg[2] if len(msg) > 2 else {}
             st.store_s += books.get("store_s", 0.0)
+            st.life_s += books.get("life_s", 0.0)
             add_stats(st.worker_stats, books.get("stats", {}))
             if msg[1] is not None:
                 self._stop_on(WorkerError(msg[1]), msg[1])

@@ -42,7 +42,8 @@ def fake_worker(conn, spec) -> None:
         except EOFError:
             return
         if msg[0] in ("end", "stop"):
-            conn.send(("exit", None, {"stats": {"u": {"ok": stored, "healthy": True}}, "store_s": 0.5}))
+            conn.send(("exit", None, {"stats": {"u": {"ok": stored, "healthy": True}}, "store_s": 0.5,
+                                        "life_s": 0.75}))
             return
         if s.get("error"):
             conn.send(("exit", s["error"]))

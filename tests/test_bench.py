@@ -67,6 +67,9 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
     assert cm["tree"]["processes"] >= 3 and cm["peak_rss"] >= cm["parent_peak_rss"] > 0
     prof = http["client_profile"]
     assert prof["receive_s"] > 0 and prof["decode_s"] > 0 and prof["store_s"] > 0
+    assert prof["response_s"] > 0 and prof["implied_life_s"] > 0
+    # a sample's life holds its request and its storing (the workers' books reached the bench)
+    assert prof["life_s"] >= prof["response_s"] + prof["receive_s"] + prof["store_s"]
     assert http["server_phases"]["compress"]["count"] == prompts  # bf16split bodies were coded on the pool
     assert http["server_phases"]["wait"]["count"] == prompts and http["server_phases"]["loop_lag"]["count"] > 0
     assert "(c) HTTP profile [http, bf16split], mean s per request: server" in proc.stdout
@@ -146,3 +149,20 @@ def test_tree_sampler_leaves_out_excluded_subtrees() -> None:
                 c.kill()
             p.kill()
             p.wait()
+
+
+def test_http_profile_line_splits_a_sample_s_life() -> None:
+    """The report's HTTP profile: server phases, then the client's life of a sample split
+    into its phases, the rest, and the life Little's law implies (old results lack some)."""
+    from hsx.bench.report import _http_profile
+
+    one = {"compression": "zstd",
+           "server_phases": {"engine": {"mean_s": 0.5}, "compress": {"mean_s": 0.1}, "send": {"mean_s": 0.3}},
+           "client_profile": {"response_s": 1.0, "receive_s": 0.25, "decode_s": 0.125, "store_s": 0.125,
+                              "life_s": 2.0, "implied_life_s": 4.0, "concurrency": 64}}
+    line = _http_profile("http", one)
+    assert "server engine 0.500, compress 0.100, send 0.300, wire (send - coding) 0.200" in line
+    assert ("client to headers 1.000, receive 0.250, decode 0.125, store 0.125, other 0.500 of a life of "
+            "2.000 (at 64 in flight, Little's law: 4.000)") in line
+    old = {"client_profile": {"receive_s": 0.25, "decode_s": 0.125, "store_s": 0.125, "concurrency": 8}}
+    assert _http_profile("http", old).endswith("client receive 0.250, decode 0.125, store 0.125 (at 8 in flight)")

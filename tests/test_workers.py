@@ -46,6 +46,7 @@ def test_every_sample_once_across_workers(tmp_path):
     assert sorted(lines) == list(range(N)) and st.fatal is None and pool.deaths == 0
     assert st.progress.samples == N
     assert st.worker_stats == {"u": {"ok": N, "healthy": True}} and st.store_s == pytest.approx(1.5)
+    assert st.life_s == pytest.approx(2.25)  # the bench's profile: every worker's books reach the parent
 
 
 def test_the_clock_starts_once_every_worker_is_ready(tmp_path):

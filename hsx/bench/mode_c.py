@@ -187,6 +187,7 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
         timings["t1"] = time.monotonic()
         timings["stats"] = run.worker_stats or run.client.stats()  # --workers: the workers' clients did the work
         timings["store_s"] = run.store_s
+        timings["life_s"] = run.life_s
 
     cfg = ExtractConfig(
         servers=[server.url], output=out_dir, inputs=[str(inputs)], format="speculators",
@@ -223,9 +224,13 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     )
     n = max(1, int(summ["done"]))
     res["client_profile"] = {  # mean seconds per sample, summed over concurrent requests
+        "response_s": stats.get("response_s", 0.0) / n,
         "receive_s": stats.get("receive_s", 0.0) / n, "decode_s": stats.get("decode_s", 0.0) / n,
-        "store_s": timings.get("store_s", 0.0) / n, "concurrency": args.concurrency,
-        "workers": workers,
+        "store_s": timings.get("store_s", 0.0) / n, "life_s": timings.get("life_s", 0.0) / n,
+        # Little's law: the mean life the throughput implies at this many in flight; well above
+        # life_s, samples wait outside the workers' request loops (feeding, slots)
+        "implied_life_s": args.concurrency * measured / n,
+        "concurrency": args.concurrency, "workers": workers,
     }
     res["client_memory"] = {**own_memory(), "hwm_reset_before_run": hwm_reset}
     if tree is not None:  # peak_rss: the whole client (parent + workers); the parent alone kept apart

@@ -94,8 +94,12 @@ def _http_profile(transfer: str, one: dict[str, Any]) -> str | None:
     arena), compress (pool time in the body's coding), send (reply start to last byte
     handed over; minus compress = waiting on the wire and the client), and the event
     loop's mean lag over the run (every request, write and engine output waits it).
-    Client: receive (headers to last byte), decode (decompress + checks), store (encode,
-    write, fsync, manifest)."""
+    Client: each sample's life (taken by a request loop -> stored) split into to headers
+    (request sent -> response headers: the server's phases and the wire), receive (headers
+    to last byte), decode (decompress + checks), store (encode, write, fsync, manifest) and
+    what none of them covers; beside it the life Little's law implies (in flight x run time
+    / samples): well above the measured life, samples wait before any request loop takes
+    them."""
     sp, cp = one.get("server_phases") or {}, one.get("client_profile")
     if not sp and not cp:
         return None
@@ -108,8 +112,15 @@ def _http_profile(transfer: str, one: dict[str, Any]) -> str | None:
         parts.append(f"event loop lag {sp['loop_lag']['mean_s']:.4f}")
     line = f"(c) HTTP profile [{transfer}, {one.get('compression')}], mean s per request: server " + ", ".join(parts)
     if cp:
-        line += (f"; client receive {cp['receive_s']:.3f}, decode {cp['decode_s']:.3f}, store {cp['store_s']:.3f}"
-                 f" (at {cp.get('concurrency')} in flight)")
+        parts = [f"{k} {cp[k]:.3f}" for k in ("response_s", "receive_s", "decode_s", "store_s") if k in cp]
+        line += "; client " + ", ".join(parts).replace("response_s", "to headers").replace("_s ", " ")
+        if cp.get("life_s"):
+            rest = cp["life_s"] - sum(cp.get(k, 0.0) for k in ("response_s", "receive_s", "decode_s", "store_s"))
+            line += f", other {max(0.0, rest):.3f} of a life of {cp['life_s']:.3f}"
+        line += f" (at {cp.get('concurrency')} in flight"
+        if cp.get("implied_life_s"):
+            line += f", Little's law: {cp['implied_life_s']:.3f}"
+        line += ")"
     if one.get("start_s") is not None:  # not in the figure: planning and the worker processes' start
         line += f"; before the clock {one['start_s']:.1f} s"
     if one.get("teardown_s"):  # not in the figure either: the worker processes closing after the last sample
