@@ -184,7 +184,7 @@ class Placer:
                     raise
                 self._no_link.add(st.st_dev)
         try:
-            store.copy_file_atomic(src, dst, expected=meta.get(store.HASH_ALGO))
+            store.copy_file_atomic(src, dst, expected=store.recorded_digest(meta))
         except store.ChecksumError as exc:
             raise MergeError(f"{exc}: run `hsx verify` on the shard and rerun its hsx extract") from None
         self.copies += 1

@@ -71,7 +71,7 @@ class Shard:
 
 
 def _sha256(path: Path) -> str:
-    return store.hash_file(path)[1]
+    return store.hash_file(path, algo="sha256")[1]  # small files; the record names SHA-256
 
 
 def _short(v: Any) -> str:

@@ -143,12 +143,13 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
                     f"(planned/done/not stored) do not match the manifest {n}/{len(done)}/{len(failed)}"
                 )
             for rel, meta in (corpus.get("finalize_files") or {}).items():
+                algo, want = store.recorded_digest(meta) or (store.HASH_ALGO, None)
                 try:
-                    size, digest = store.hash_file(out / rel)
+                    size, digest = store.hash_file(out / rel, algo=algo)
                 except FileNotFoundError:
                     problems.append(f"finalize output {rel} is missing")
                     continue
-                if size != meta.get("size") or digest != meta.get(store.HASH_ALGO):
+                if size != meta.get("size") or digest != want:
                     problems.append(f"finalize output {rel} changed since finalize (size/checksum)")
         report = {
             "ok": not bad and not problems,

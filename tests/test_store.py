@@ -8,7 +8,10 @@ import subprocess
 import sys
 from collections import namedtuple
 
+import hashlib
+
 import pytest
+import xxhash
 
 from hsx_client import store
 
@@ -21,8 +24,8 @@ def test_write_files_atomic(tmp_path):
     info = store.write_files_atomic(tmp_path, {"a/b/x.bin": b"hello", "y.bin": bytearray(b"\x00" * 10)})
     assert (tmp_path / "a/b/x.bin").read_bytes() == b"hello"
     assert info["a/b/x.bin"]["size"] == 5
-    assert info["a/b/x.bin"]["sha256"] == store.file_digest(b"hello")
-    assert store.hash_file(tmp_path / "y.bin") == (10, info["y.bin"]["sha256"])
+    assert info["a/b/x.bin"]["xxh3_128"] == store.file_digest(b"hello") == xxhash.xxh3_128(b"hello").hexdigest()
+    assert store.hash_file(tmp_path / "y.bin") == (10, info["y.bin"]["xxh3_128"])
     assert not _tmp_files(tmp_path)
     # overwrite in place (a redo) is atomic too
     store.write_files_atomic(tmp_path, {"y.bin": b"new"})
@@ -40,6 +43,24 @@ def test_write_failure_leaves_nothing(tmp_path, monkeypatch):
         store.write_files_atomic(tmp_path, {"old.bin": b"newer"})
     assert (tmp_path / "old.bin").read_bytes() == b"old"
     assert not _tmp_files(tmp_path)
+
+
+def test_entries_recorded_with_sha256_are_still_checked(tmp_path):
+    """Corpora written before the switch to XXH3-128 record SHA-256: verify and merge's
+    copy check those files with SHA-256, and still catch a corrupted one."""
+    (tmp_path / "a.bin").write_bytes(b"states")
+    old = {"files": {"a.bin": {"size": 6, "sha256": hashlib.sha256(b"states").hexdigest()}}}
+    assert store.recorded_digest(old["files"]["a.bin"]) == ("sha256", hashlib.sha256(b"states").hexdigest())
+    assert store.check_checksums(tmp_path, old) == []
+    assert store.copy_file_atomic(tmp_path / "a.bin", tmp_path / "b.bin",
+                                  expected=store.recorded_digest(old["files"]["a.bin"])) == hashlib.sha256(b"states").hexdigest()
+    (tmp_path / "a.bin").write_bytes(b"stateZ")
+    assert store.check_checksums(tmp_path, old) == ["a.bin: sha256 mismatch (file corrupted)"]
+    with pytest.raises(store.ChecksumError, match="sha256 differs"):
+        store.copy_file_atomic(tmp_path / "a.bin", tmp_path / "c.bin", expected=store.recorded_digest(old["files"]["a.bin"]))
+    assert not (tmp_path / "c.bin").exists()
+    new = {"files": {"a.bin": {"size": 6, "xxh3_128": xxhash.xxh3_128(b"states").hexdigest()}}}
+    assert store.check_checksums(tmp_path, new) == ["a.bin: xxh3_128 mismatch (file corrupted)"]
 
 
 def test_refuses_paths_outside(tmp_path):

@@ -40,6 +40,10 @@ prepare)
     # Pure-Python wheels hsx needs that neither the image nor the kit has: HsxClient's transport
     # (client/transport.py) and the server's tokenizer processes (service/tokenize_pool.py).
     python3 -m pip download -q --no-deps --only-binary=:all: -d .gpufix/wheels "httpx-aiohttp>=0.2" "pebble>=5.0"
+    # ... and the corpus checksums' xxhash (client/store.py), a binary wheel for the image's Python.
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .gpufix/wheels "xxhash>=3.0"
     grep -qx '/.gpufix/' .gitignore || echo "session: add '/.gpufix/' to .gitignore" >&2
     last=$(($(ls -d "$kit"/p* | wc -l) - 1))
     echo "device calls (kind nvidia-h200, back to back):"

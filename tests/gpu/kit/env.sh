@@ -5,7 +5,7 @@
 mkdir -p /tmp/hsx-pkgs
 ln -sfn "$PWD/client" /tmp/hsx-pkgs/hsx_client
 ln -sfn "$PWD/service" /tmp/hsx-pkgs/hsx_service
-# Wheels the image lacks, carried in .gpufix/wheels by `session.sh prepare` (httpx-aiohttp).
+# Wheels the image lacks, carried in .gpufix/wheels by `session.sh prepare` (httpx-aiohttp, xxhash).
 if [ -d /tmp/gpufix/wheels ] && [ ! -d /tmp/hsx-pkgs/httpx_aiohttp ]; then
     python3 -m pip install -q --no-deps --no-index --target /tmp/hsx-pkgs /tmp/gpufix/wheels/*.whl
 fi
