@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsx.bench import Server, child_env, hardware
+from hsx.bench.common import child_env, hardware
+from hsx.server_process import ServerProcess as Server
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures"
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         inputs = work / "conversations.jsonl"
         inputs.write_text("".join(threads.read_text().splitlines(keepends=True)[: args.conversations]))
         flags = ["--dtype", "float32", "--layers", LAYERS, "--chat-template", str(template), "--max-num-seqs", "16"]
-        servers = [Server(str(model), flags, work / f"server-{c}.log") for c in "ab"]
+        servers = [Server(str(model), *flags, log_path=work / f"server-{c}.log", env=child_env()) for c in "ab"]
         try:
             for s in servers:
                 s.wait_ready(900)

@@ -132,8 +132,8 @@ def recorded_digest(meta: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def file_digest(data: FileData) -> str:
-    h = new_hash()
+def file_digest(data: FileData, algo: str = HASH_ALGO) -> str:
+    h = new_hash(algo)
     for view in _parts(data):
         h.update(view)
     return h.hexdigest()

@@ -166,3 +166,13 @@ def test_http_profile_line_splits_a_sample_s_life() -> None:
             "2.000 (at 64 in flight, Little's law: 4.000)") in line
     old = {"client_profile": {"receive_s": 0.25, "decode_s": 0.125, "store_s": 0.125, "concurrency": 8}}
     assert _http_profile("http", old).endswith("client receive 0.250, decode 0.125, store 0.125 (at 8 in flight)")
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py")))
+def test_bench_scripts_start(script: str) -> None:
+    """Every rerunnable script under bench/ still imports what it uses (shard_merge.py had
+    kept imports from before hsx.bench was split into modules) and prints its usage."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stderr[-2000:]
