@@ -147,6 +147,16 @@ async def sigterm_once_all_admitted(client, server, prompts, headers: dict[str, 
     return ready, new, await asyncio.gather(*inflight)
 
 
+def engine_core(server) -> "psutil.Process":
+    """The vLLM engine core process of a one-engine `hsx serve` (to kill or freeze it)."""
+    import psutil
+
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    core = [c for c in children if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline())]
+    assert len(core) == 1, f"one EngineCore process expected among {[(c.pid, c.name()) for c in children]}"
+    return core[0]
+
+
 async def engine_dead_or_gone(client, url: str, timeout: float) -> None:
     """Poll /health until it answers 503 (the engine died) or the server has exited."""
     import httpx
