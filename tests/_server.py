@@ -128,22 +128,29 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, what:
 async def sigterm_once_all_admitted(client, server, prompts, headers: dict[str, str] | None = None):
     """The drain tests' run: POST every prompt, SIGTERM once the server has admitted them all
     (hsx_queued_tokens), wait for the drain to start, then ask /ready and try one more request.
-    Returns (that /ready answer, that request's answer, the in-flight requests' answers)."""
-    inflight = [asyncio.ensure_future(client.post(server.url + "/hidden_states", json={"input_ids": p},
-                                                  headers=headers))
-                for p in prompts]
+    Returns (that /ready answer, that request's answer, the in-flight requests' answers).
+    The engine core is frozen (SIGSTOP) until then, so none of them can finish first: seeing
+    a transient state through /metrics polls misses on a loaded CI box (2026-12-02)."""
+    core = engine_core(server)
+    core.suspend()
+    try:
+        inflight = [asyncio.ensure_future(client.post(server.url + "/hidden_states", json={"input_ids": p},
+                                                      headers=headers))
+                    for p in prompts]
 
-    async def all_admitted() -> bool:
-        return (await metrics_async(client, server.url)).get("hsx_queued_tokens") == sum(map(len, prompts))
+        async def all_admitted() -> bool:
+            return (await metrics_async(client, server.url)).get("hsx_queued_tokens") == sum(map(len, prompts))
 
-    async def draining() -> bool:
-        return (await client.get(server.url + "/ready")).status_code == 503
+        async def draining() -> bool:
+            return (await client.get(server.url + "/ready")).status_code == 503
 
-    await eventually(all_admitted, 30, f"the {len(prompts)} requests admitted")
-    server.signal(signal.SIGTERM)
-    await eventually(draining, 10, "SIGTERM started the drain")  # as soon as the signal is handled
-    ready = await client.get(server.url + "/ready")
-    new = await client.post(server.url + "/hidden_states", json={"input_ids": [1, 2, 3]})
+        await eventually(all_admitted, 30, f"the {len(prompts)} requests admitted")
+        server.signal(signal.SIGTERM)
+        await eventually(draining, 10, "SIGTERM started the drain")  # as soon as the signal is handled
+        ready = await client.get(server.url + "/ready")
+        new = await client.post(server.url + "/hidden_states", json={"input_ids": [1, 2, 3]})
+    finally:
+        core.resume()
     return ready, new, await asyncio.gather(*inflight)
 
 

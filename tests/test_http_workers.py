@@ -29,7 +29,7 @@ import psutil
 import pytest
 import zstandard
 
-from _server import ServerProcess, eventually, metrics_async
+from _server import ServerProcess, engine_core, eventually, metrics_async
 from conftest import need_vllm
 from hsx import bf16split, wire
 from hsx.wire import TensorSpec, encode_header
@@ -492,17 +492,16 @@ async def test_a_concurrent_batch_is_counted_and_leaves_nothing_held(fronted):
 
 @pytest.mark.engine
 async def test_clients_that_hang_up_in_the_engine_leave_nothing_held(fronted):
-    """1000-token prompts hung up on 50 ms after they were sent, while they wait in the
-    engine behind a dozen others (about half a second of prefills on a 2-core box), so the
-    hang-up reaches the engine process long before their answer could: no lease and no
-    arena byte stays, and the requests that were not hung up on are served and counted.
-    (A client that leaves just as its lease answer arrives is the FakeEngine case above.)"""
+    """1000-token prompts hung up on once they are in the engine behind a dozen others, so
+    the hang-up reaches the engine process before their answer could: no lease and no arena
+    byte stays, and the requests that were not hung up on are served and counted. The engine
+    core is frozen (SIGSTOP) until the hang-ups, which makes "before" certain (polling for a
+    busy engine raced the prefills on a loaded CI box). (A client that leaves just as its
+    lease answer arrives is the FakeEngine case above.)"""
     url = fronted.url
     blockers, victims, rounds = 12, 3, 3
+    core = engine_core(fronted)
     async with httpx.AsyncClient(timeout=30) as probe:
-        async def engine_busy() -> bool:
-            return (await metrics_async(probe, url)).get("hsx_engine_requests") >= 4
-
         m0 = await metrics_async(probe, url)
         for round_ in range(rounds):
             seed = 3000 + 100 * round_
@@ -510,14 +509,21 @@ async def test_clients_that_hang_up_in_the_engine_leave_nothing_held(fronted):
                 def post(ids: list[int]) -> asyncio.Future:
                     return asyncio.ensure_future(client.post(url + "/hidden_states", json={"input_ids": ids}))
 
+                async def in_engine(n: int) -> bool:
+                    return (await metrics_async(probe, url)).get("hsx_engine_requests") == n
+
                 served = [_prompt(seed + i, 1000) for i in range(blockers)]
-                calls = [post(ids) for ids in served]
-                await eventually(engine_busy, 30, "the first prompts reached the engine")
-                hung = [post(_prompt(seed + 50 + i, 1000)) for i in range(victims)]
-                await asyncio.sleep(0.05)
-                for call in hung:
-                    call.cancel()  # closes that connection mid-request
-                cut = await asyncio.gather(*hung, return_exceptions=True)
+                core.suspend()
+                try:
+                    calls = [post(ids) for ids in served]
+                    await eventually(lambda: in_engine(blockers), 30, "the first prompts in the engine")
+                    hung = [post(_prompt(seed + 50 + i, 1000)) for i in range(victims)]
+                    await eventually(lambda: in_engine(blockers + victims), 30, "the hung-up prompts in the engine")
+                    for call in hung:
+                        call.cancel()  # closes that connection mid-request
+                    cut = await asyncio.gather(*hung, return_exceptions=True)
+                finally:
+                    core.resume()
                 done = await asyncio.gather(*calls)
             assert all(isinstance(r, asyncio.CancelledError) for r in cut), f"round {round_}: {cut}"
             assert [r.status_code for r in done] == [200] * blockers
