@@ -185,6 +185,9 @@ def extract_main(argv: list[str] | None = None) -> int:
         handle_signals=True,
         shard=shard,
     )
+    from .allocator import keep_large_blocks
+
+    keep_large_blocks()  # this process receives the bodies unless --workers does (allocator.py)
     try:
         result = run_extract(cfg)
     except KeyboardInterrupt:  # before the handlers were installed

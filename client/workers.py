@@ -44,6 +44,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from . import store
+from .allocator import keep_large_blocks
 from .plan import DROPPED
 from .run import RunHooks, RunLoop, RunState, StopSignals, default_write_workers
 
@@ -114,6 +115,7 @@ class _ProgressToParent:
 def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """A worker process's entry (module level: 'spawn' imports it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it tells us to stop
+    keep_large_blocks()  # each body in reused memory, not a fresh mmap (allocator.py)
     outbox = _Outbox(conn)
     books: dict[str, Any] = {}  # its client's counters and store time, for the parent's totals
     try:

@@ -30,6 +30,9 @@ class _Remote:
 
 def main(argv: list[str]) -> int:
     from hsx.bench.mode_c import _measure_extract
+    from hsx_client.allocator import keep_large_blocks
+
+    keep_large_blocks()  # as `hsx extract` does: this process stands in for it
 
     spec = json.loads(Path(argv[0]).read_text())
     res = _measure_extract(spec["ctx"], SimpleNamespace(**spec["args"]), _Remote(spec["url"], spec["server_log"]),

@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="a real `hsx serve`'s /hidden_states instead of the synthetic server "
                    "(body_mb 0 in the result; --requests, default 200)")
     p.add_argument("--prompt-len", type=int, default=256, help="with --url: tokens per request [256]")
+    p.add_argument("--fresh-blocks", action="store_true", help="leave glibc's defaults (a fresh mmap per "
+                   "body over 32 MiB), as before 2026-12-02; by default the clients run as `hsx extract` does")
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--client", help=argparse.SUPPRESS)
     p.add_argument("--encoding", default="identity", help=argparse.SUPPRESS)
@@ -125,8 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _child(args: argparse.Namespace) -> int:
     payload = json.dumps({"input_ids": [1 + i % 200 for i in range(args.prompt_len)]}).encode()
+    kept = False
+    if not args.fresh_blocks:  # every client in the allocator `hsx extract` runs with (client/allocator.py)
+        from hsx_client.allocator import keep_large_blocks
+
+        kept = keep_large_blocks()
     row = asyncio.run(_run_client(args.client, args.url, args.requests, int(args.concurrency), payload,
                                   args.encoding))
+    row["large_blocks_kept"] = kept
     print(json.dumps(row))
     return 0
 
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                         for kind in clients:
                             cmd = [sys.executable, "-m", "hsx.bench.transport", "--client", kind, "--url", url,
                                    "--requests", str(n), "--concurrency", str(conc), "--encoding", enc,
-                                   "--prompt-len", str(args.prompt_len)]
+                                   "--prompt-len", str(args.prompt_len)] + (["--fresh-blocks"] if args.fresh_blocks else [])
                             out = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
                             if out.returncode != 0:
                                 raise SystemExit(f"transport {kind}: failed: {out.stderr.strip()[-2000:]}")

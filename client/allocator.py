@@ -1,0 +1,44 @@
+"""Large freed blocks stay in the process (glibc), for the processes that receive bodies.
+
+A /hidden_states body is 30-70 MB (2048 tokens x 4 layers x 2048-4096 hidden, bf16) and
+the client assembles each one in a fresh buffer. glibc serves an allocation above its
+mmap threshold (at most 32 MiB, so every such body) with a new mmap, which the kernel
+fills page by page on first touch (a fault and a zeroed 4 KiB page each) and unmaps on
+free: the next body pays again. Measured on the CI-class Xeon (2026-12-02): joining 64 MiB
+bodies cost 0.52 CPU s/GB that way and 0.12 with the two settings below, at the same peak
+RSS; `hsx bench --transport-only` figures in bench/README.md.
+
+- M_MMAP_MAX = 0: large blocks come from the heap, where a freed block is reused;
+- M_TRIM_THRESHOLD = 1 GiB: free memory at the heap's top is kept up to that much rather
+  than handed back (and faulted in again) after every body.
+
+The process's RSS then stays at its peak (bounded by the bodies in flight, as before)
+instead of falling between bodies. Only hsx's own processes call this (`hsx extract` and
+its worker processes, the bench's client): HsxClient as a library leaves a user's
+process as it is. Elsewhere (not glibc) it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+M_TRIM_THRESHOLD = -1  # malloc.h
+M_MMAP_MAX = -4
+TRIM_THRESHOLD = 1 << 30
+
+
+def keep_large_blocks() -> bool:
+    """Apply the settings above; True when glibc took both."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        gnu = ctypes.CDLL(None).gnu_get_libc_version  # glibc only: musl has neither this nor the knobs
+    except (OSError, AttributeError):
+        return False
+    del gnu
+    mallopt = libc.mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
