@@ -90,11 +90,28 @@ class RawResponse:
 CONNECT_TIMEOUT = 5.0
 
 
+# A zstd frame may declare at most this many times its own size as content: bf16 states
+# compress ~1.3x, so more means a broken or hostile header, not a body worth allocating for.
+MAX_DECLARED_RATIO = 16
+
+
 def _zstd_decompress(data: bytes | bytearray) -> bytes:
     import zstandard
 
+    d = zstandard.ZstdDecompressor()
+    # hsx serve sends one frame that declares its content size: decoded in one step into one
+    # buffer of that size (~13% less CPU than pieces joined; CPU box, 64 MiB, 2026-12-02).
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        size = -1  # not a frame header: the stream path below says what is wrong
+    if 0 < size <= MAX_DECLARED_RATIO * len(data) + (1 << 20):
+        try:
+            return d.decompress(data, allow_extra_data=False)
+        except zstandard.ZstdError:
+            pass  # more than one frame (a streaming server may send several), or a bad one
     # write_size: output in 4 MiB steps (the default 128 KiB ones cost ~2x in joins)
-    return zstandard.ZstdDecompressor().decompressobj(write_size=4 << 20, read_across_frames=True).decompress(data)
+    return d.decompressobj(write_size=4 << 20, read_across_frames=True).decompress(data)
 
 
 def _finish_body(raw: bytes, encoding: str) -> bytes:
