@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import sys
+import platform
 
 M_TRIM_THRESHOLD = -1  # malloc.h
 M_MMAP_MAX = -4
@@ -37,15 +37,12 @@ TRIM_THRESHOLD = 1 << 30
 
 def keep_large_blocks() -> bool:
     """Apply the settings above; True when glibc took them all."""
-    if not sys.platform.startswith("linux"):
+    if platform.libc_ver()[0] != "glibc":  # musl and others: none of these knobs
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        gnu = ctypes.CDLL(None).gnu_get_libc_version  # glibc only: musl has neither this nor the knobs
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    del gnu
-    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     took = [mallopt(M_MMAP_MAX, 0), mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD), mallopt(M_ARENA_MAX, 1)]
     return took == [1, 1, 1]

@@ -23,9 +23,10 @@ Rules that make a kill -9 at any point safe:
   the next writer starts.
 Checksums are XXH3-128 (the `xxhash` package), computed from the bytes in memory while
 writing. They guard against torn writes and bit rot, not against an adversary, and every
-byte of states is hashed once by the client: SHA-256, used before 2026-12-02, cost 0.81 CPU
-s/GB on the CI-class Xeon (with SHA-NI), XXH3-128 0.08, and both release the GIL. Corpora
-recorded with SHA-256 stay valid: a file is checked with the algorithm its entry names.
+byte of states is hashed once by the client: SHA-256, used before 2026-12-02, cost 0.52-0.58
+CPU s/GB on the CI-class Xeon (with SHA-NI), XXH3-128 0.03-0.04 (bench/checksum.py); both
+release the GIL. Corpora recorded with SHA-256 stay valid: a file is checked with the
+algorithm its entry names.
 """
 
 from __future__ import annotations
