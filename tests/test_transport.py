@@ -42,6 +42,9 @@ async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"1000000")]})
         await send({"type": "http.response.body", "body": b"x" * 1000, "more_body": True})
         raise RuntimeError("server dies mid-body")
+    elif path == "/empty":  # no body: aiohttp hands every such response one shared reader
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
     elif path == "/stall":  # a third of the body, then silence past the client's read timeout
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"3000000")]})
         await send({"type": "http.response.body", "body": b"x" * 1_000_000, "more_body": True})
@@ -68,6 +71,17 @@ def url():
         time.sleep(0.02)
     yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     server.should_exit = True
+
+
+@pytest.mark.timeout(60)  # the old loop spun without yielding: wait_for alone could not stop it
+async def test_body_less_responses_one_after_another(url):
+    """204s (what a lease release answers) in a row: each ends (a loop that waited for
+    aiohttp's end-of-body sentinel hung on the second one, as hsx bench did)."""
+    async with httpx.AsyncClient(transport=HsxTransport(2), timeout=10) as c:
+        for _ in range(3):
+            r = await asyncio.wait_for(c.delete(url + "/empty"), 5)
+            assert r.status_code == 204 and r.content == b""
+        assert (await c.get(url + "/big")).content == BIG
 
 
 async def test_bodies_intact_and_connections_reused(url):
