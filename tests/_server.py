@@ -9,7 +9,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hsx.server_process import MetricValues, free_port
@@ -131,9 +132,7 @@ async def sigterm_once_all_admitted(client, server, prompts, headers: dict[str, 
     Returns (that /ready answer, that request's answer, the in-flight requests' answers).
     The engine core is frozen (SIGSTOP) until then, so none of them can finish first: seeing
     a transient state through /metrics polls misses on a loaded CI box (2026-12-02)."""
-    core = engine_core(server)
-    core.suspend()
-    try:
+    with frozen(engine_core(server)):
         inflight = [asyncio.ensure_future(client.post(server.url + "/hidden_states", json={"input_ids": p},
                                                       headers=headers))
                     for p in prompts]
@@ -149,9 +148,21 @@ async def sigterm_once_all_admitted(client, server, prompts, headers: dict[str, 
         await eventually(draining, 10, "SIGTERM started the drain")  # as soon as the signal is handled
         ready = await client.get(server.url + "/ready")
         new = await client.post(server.url + "/hidden_states", json={"input_ids": [1, 2, 3]})
-    finally:
-        core.resume()
     return ready, new, await asyncio.gather(*inflight)
+
+
+@contextmanager
+def frozen(*procs: "psutil.Process") -> Iterator[None]:
+    """The processes stopped (SIGSTOP) for the block, continued (SIGCONT) however it ends:
+    with the engine frozen no step finishes, so a test can set up "requests in flight"
+    with certainty instead of polling for a state a loaded box passes between two polls."""
+    for p in procs:
+        p.suspend()
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.resume()
 
 
 def engine_core(server) -> "psutil.Process":

@@ -29,7 +29,7 @@ import psutil
 import pytest
 import zstandard
 
-from _server import ServerProcess, engine_core, eventually, metrics_async
+from _server import ServerProcess, engine_core, eventually, frozen, metrics_async
 from conftest import need_vllm
 from hsx import bf16split, wire
 from hsx.wire import TensorSpec, encode_header
@@ -513,8 +513,7 @@ async def test_clients_that_hang_up_in_the_engine_leave_nothing_held(fronted):
                     return (await metrics_async(probe, url)).get("hsx_engine_requests") == n
 
                 served = [_prompt(seed + i, 1000) for i in range(blockers)]
-                core.suspend()
-                try:
+                with frozen(core):
                     calls = [post(ids) for ids in served]
                     await eventually(lambda: in_engine(blockers), 30, "the first prompts in the engine")
                     hung = [post(_prompt(seed + 50 + i, 1000)) for i in range(victims)]
@@ -522,8 +521,6 @@ async def test_clients_that_hang_up_in_the_engine_leave_nothing_held(fronted):
                     for call in hung:
                         call.cancel()  # closes that connection mid-request
                     cut = await asyncio.gather(*hung, return_exceptions=True)
-                finally:
-                    core.resume()
                 done = await asyncio.gather(*calls)
             assert all(isinstance(r, asyncio.CancelledError) for r in cut), f"round {round_}: {cut}"
             assert [r.status_code for r in done] == [200] * blockers

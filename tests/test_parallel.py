@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from _reference import check_responses
-from _server import (STORIES, Servers, ServerProcess, engine_dead_or_gone, engine_env, eventually, metrics_async,
-                     wait_until)
+from _server import (STORIES, Servers, ServerProcess, engine_dead_or_gone, engine_env, eventually, frozen,
+                     metrics_async, wait_until)
 from conftest import need_fixtures, need_vllm
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -167,11 +167,8 @@ async def test_tp2_sigterm_drains_and_leaves_no_process(tp_server_to_stop):
     # finish, the API server gets a core, and "in flight" is certain; they resume once the drain
     # has begun.
     prompts = random_prompts(6, 48, lengths=(480,))
-    frozen = workers(tp_server)
     async with httpx.AsyncClient(timeout=120) as client:
-        for w in frozen:
-            w.suspend()
-        try:
+        with frozen(*workers(tp_server)):
             calls = [asyncio.ensure_future(client.post(tp_server.url + "/hidden_states", json={"input_ids": p}))
                      for p in prompts]
 
@@ -185,9 +182,6 @@ async def test_tp2_sigterm_drains_and_leaves_no_process(tp_server_to_stop):
             tp_server.signal(signal.SIGTERM)
             await eventually(draining, 10, "SIGTERM started the drain")
             pending = sum(not c.done() for c in calls)
-        finally:
-            for w in frozen:
-                w.resume()
         done = await asyncio.gather(*calls)
     assert pending == len(prompts), "a request finished while the workers were frozen"
     assert [r.status_code for r in done] == [200] * len(prompts)

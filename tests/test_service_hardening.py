@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from _reference import per_layer_rel_err, reference_states
-from _server import (ServerProcess, engine_core, engine_dead_or_gone, engine_env, eventually, metrics_async,
-                     sigterm_once_all_admitted, wait_until)
+from _server import (ServerProcess, engine_core, engine_dead_or_gone, engine_env, eventually, frozen,
+                     metrics_async, sigterm_once_all_admitted, wait_until)
 from conftest import need_vllm
 from hsx.wire import decode
 
@@ -178,17 +178,13 @@ async def test_client_disconnect_aborts_engine_request(guarded):
     before = disconnected()
     rng = random.Random(7)
     bodies = [{"input_ids": [1] + [rng.randrange(6, 1000) for _ in range(590)]} for _ in range(4)]
-    core = engine_core(guarded)
     async with httpx.AsyncClient(timeout=120, headers=AUTH) as client, httpx.AsyncClient() as probe:
-        core.suspend()
-        try:
+        with frozen(engine_core(guarded)):
             calls = [asyncio.ensure_future(client.post(guarded.url + "/hidden_states", json=b)) for b in bodies]
             await eventually(all_in_engine, 30, "the four requests in the engine")
             for call in calls:
                 call.cancel()  # closes that connection mid-request
             rs = await asyncio.gather(*calls, return_exceptions=True)
-        finally:
-            core.resume()
     assert all(isinstance(r, asyncio.CancelledError) for r in rs), rs
     wait_until(settled, 30, "the engine, the gate and the arena emptied after the hang-ups")
     assert disconnected() == before + len(bodies)

@@ -88,6 +88,10 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 
+# The client profile's phases of a sample's life, in order: (JSON key, printed label).
+CLIENT_PHASES = (("response_s", "to headers"), ("receive_s", "receive"), ("decode_s", "decode"), ("store_s", "store"))
+
+
 def _http_profile(transfer: str, one: dict[str, Any]) -> str | None:
     """The HTTP path per phase, mean seconds per request: where the next bottleneck is.
     Server: wait (body read -> handler running), engine (queue + prefill), copy (into the
@@ -112,10 +116,10 @@ def _http_profile(transfer: str, one: dict[str, Any]) -> str | None:
         parts.append(f"event loop lag {sp['loop_lag']['mean_s']:.4f}")
     line = f"(c) HTTP profile [{transfer}, {one.get('compression')}], mean s per request: server " + ", ".join(parts)
     if cp:
-        parts = [f"{k} {cp[k]:.3f}" for k in ("response_s", "receive_s", "decode_s", "store_s") if k in cp]
-        line += "; client " + ", ".join(parts).replace("response_s", "to headers").replace("_s ", " ")
+        phases = [(label, cp[k]) for k, label in CLIENT_PHASES if k in cp]
+        line += "; client " + ", ".join(f"{label} {s:.3f}" for label, s in phases)
         if cp.get("life_s"):
-            rest = cp["life_s"] - sum(cp.get(k, 0.0) for k in ("response_s", "receive_s", "decode_s", "store_s"))
+            rest = cp["life_s"] - sum(s for _, s in phases)
             line += f", other {max(0.0, rest):.3f} of a life of {cp['life_s']:.3f}"
         line += f" (at {cp.get('concurrency')} in flight"
         if cp.get("implied_life_s"):
