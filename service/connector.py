@@ -30,6 +30,16 @@ and runs beside the new step's forward. Issuing it in `get_finished`, after the 
 step's forward, cost each request one engine step of latency (0.55-0.76 s per request
 on the 8B shape, H200, 2026-12-02). `get_finished` still starts any save not started
 (a runner that did not bind) and reports each request once its copy has landed.
+
+What the copy waits for: with vLLM's async scheduling the scheduler has already built
+step s+1 when it learns that a request finished in step s, so the save rides in step
+s+2's metadata, and an event recorded at that bind would also wait for step s+1's
+forward (one more step: the 0.38 s `copy` phase of the 8B shape, H200, 2026-12-02).
+So each bind records an event for its step (`HsxConnectorMetadata.step`), the scheduler
+side notes the last step each request was scheduled in, and a save waits for the event
+of the step after that one: everything its states came from, nothing later. Its blocks
+stay the request's until `get_finished` reports it, so the steps running beside the
+copy never write them. Without that event (no such bind seen) it waits as before.
 """
 
 from __future__ import annotations
@@ -80,12 +90,24 @@ class PendingSave:
     offset: int
     nbytes: int
     layer_index: list[int]  # positions within the captured layers, ascending
+    last_step: int = -1  # the last step the request was scheduled in (-1: unknown)
 
 
 @dataclass
 class HsxConnectorMetadata(KVConnectorMetadata):
     saves: list[PendingSave] = field(default_factory=list)
+    step: int = -1  # the scheduler's count of the step this metadata belongs to
     started: bool = False  # worker side: its copies were issued (each worker has its own copy)
+
+
+STEP_EVENTS_KEPT = 16  # worker side: bind events kept (a save needs one a step or two old)
+LAST_STEP_CAP = 1 << 16  # scheduler side: bound on remembered requests (finished ones are dropped)
+
+
+def ready_event(events: dict, last_step: int):
+    """The event recorded at the bind of the step after `last_step` (every write of a
+    request's states precedes it on the compute stream), or None when none was kept."""
+    return events.get(last_step + 1) if last_step >= 0 else None
 
 
 class Notifier:
@@ -119,6 +141,8 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         self._notifier: Notifier | None = None
         # Scheduler side.
         self._pending: dict[str, PendingSave] = {}
+        self._step = 0
+        self._last_step: dict[str, int] = {}  # req_id -> last step it was scheduled in
         # Worker side.
         self._kv_cache: torch.Tensor | None = None
         self._block_axis = 1
@@ -129,6 +153,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         self._copies: "queue.Queue[tuple[str, Any, Any] | None]" = queue.Queue()
         # req_id -> CUDA event of its copy (None: copied synchronously).
         self._copy_events: dict[str, Any] = {}
+        self._step_events: dict[int, Any] = {}  # step -> CUDA event recorded at its bind
         self._finished: set[str] = set()
         self._thread: threading.Thread | None = None
         # Profile counters, logged every LOG_EVERY copies: time the worker thread spends
@@ -172,13 +197,19 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         pass
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = HsxConnectorMetadata(saves=list(self._pending.values()))
+        self._step += 1
+        for req_id in scheduler_output.num_scheduled_tokens:
+            self._last_step[req_id] = self._step
+        if len(self._last_step) > LAST_STEP_CAP:  # never expected: each finished request drops its entry
+            self._last_step = {r: s for r, s in self._last_step.items() if s > self._step - STEP_EVENTS_KEPT}
+        meta = HsxConnectorMetadata(saves=list(self._pending.values()), step=self._step)
         self._pending.clear()
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
+        last_step = self._last_step.pop(request.request_id, -1)
         params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
         if not params:
             return False, None
@@ -196,6 +227,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             offset=int(params["offset"]),
             nbytes=int(params["nbytes"]),
             layer_index=list(params["layers"]),
+            last_step=last_step,
         )
         return True, None
 
@@ -241,7 +273,21 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        self._mark_step(connector_metadata)
         self._start_saves(connector_metadata)  # the step begins: copy what finished before it
+
+    def _mark_step(self, meta: KVConnectorMetadata) -> None:
+        """An event on the compute stream at this step's start: every earlier step's
+        work (forward, sampling, the drafter writing the states) is before it."""
+        if not (isinstance(meta, HsxConnectorMetadata) and self._is_writer and self._copy_stream is not None):
+            return
+        if meta.step < 0 or meta.step in self._step_events or torch.cuda.is_current_stream_capturing():
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._step_events[meta.step] = event
+        for old in [s for s in self._step_events if s <= meta.step - STEP_EVENTS_KEPT]:
+            del self._step_events[old]
 
     def _start_saves(self, meta: KVConnectorMetadata) -> None:
         if isinstance(meta, HsxConnectorMetadata) and self._is_writer and not meta.started:
@@ -294,8 +340,10 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
                 self._destination(save, states).copy_(states)
                 self._copies.put((save.key, None, None))
                 return
-            ready = torch.cuda.Event()
-            ready.record()
+            ready = ready_event(self._step_events, save.last_step)
+            if ready is None:  # everything enqueued so far: safe, possibly a step late
+                ready = torch.cuda.Event()
+                ready.record()
             self._copy_stream.wait_event(ready)
             with torch.cuda.stream(self._copy_stream):
                 states = self._gather(save)
