@@ -48,6 +48,7 @@ from hsx import bf16split, wire
 from hsx_client import shm
 from hsx_client.servers import ServerSet, ServerState
 from hsx_client.settings import DEFAULTS
+from hsx_client.zstd_stream import ZstdBodyDecoder
 
 from .errors import (
     ConnectionFailedError,
@@ -90,36 +91,12 @@ class RawResponse:
 CONNECT_TIMEOUT = 5.0
 
 
-# A zstd frame may declare at most this many times its own size as content: bf16 states
-# compress ~1.3x, so more means a broken or hostile header, not a body worth allocating for.
-MAX_DECLARED_RATIO = 16
-
-
-def _zstd_decompress(data: bytes | bytearray) -> bytes:
-    import zstandard
-
-    d = zstandard.ZstdDecompressor()
-    # hsx serve sends one frame that declares its content size: decoded in one step into one
-    # buffer of that size (~13% less CPU than pieces joined; CPU box, 64 MiB, 2026-12-02).
-    try:
-        size = zstandard.frame_content_size(data)
-    except zstandard.ZstdError:
-        size = -1  # not a frame header: the stream path below says what is wrong
-    if 0 < size <= MAX_DECLARED_RATIO * len(data) + (1 << 20):
-        try:
-            return d.decompress(data, allow_extra_data=False)
-        except zstandard.ZstdError:
-            pass  # more than one frame (a streaming server may send several), or a bad one
-    # write_size: output in 4 MiB steps (the default 128 KiB ones cost ~2x in joins)
-    return d.decompressobj(write_size=4 << 20, read_across_frames=True).decompress(data)
-
-
 def _finish_body(raw: bytes, encoding: str) -> bytes:
+    """bf16split or identity bodies (zstd ones are decoded as they arrive: zstd_stream.py)."""
     if encoding == "bf16split":
         return bf16split.decode_body(raw)  # checks the result's layout itself
-    body = _zstd_decompress(raw) if encoding == "zstd" else raw
-    wire.check_body(body)
-    return body
+    wire.check_body(raw)
+    return raw
 
 
 CODINGS = ("auto", "zstd", "bf16split", "none")
@@ -394,6 +371,7 @@ class HsxClient:
         if arena is not None and arena.session:
             headers[shm.SESSION_HEADER] = arena.session
         t_sent = time.perf_counter()
+        decoder: ZstdBodyDecoder | None = None
         try:
             async with http.stream("POST", server.url + "/hidden_states", content=payload, headers=headers) as resp:
                 server.answered = True
@@ -412,7 +390,13 @@ class HsxClient:
                     raw = resp.content
                     wire_bytes = resp.num_bytes_downloaded or len(raw)
                     encoding = "bf16split" if encoding == "bf16split" else "identity"
-                elif encoding in ("zstd", "identity", "", "bf16split"):
+                elif encoding == "zstd":
+                    decoder = ZstdBodyDecoder()  # decodes as the chunks arrive (client/zstd_stream.py)
+                    async for c in resp.aiter_raw():
+                        decoder.feed(c)
+                    decoder.finish()
+                    raw, wire_bytes = b"", decoder.received
+                elif encoding in ("identity", "", "bf16split"):
                     chunks = [c async for c in resp.aiter_raw()]
                     raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                     wire_bytes = len(raw)
@@ -421,12 +405,21 @@ class HsxClient:
                     wire_bytes = resp.num_bytes_downloaded
                     encoding = "identity"
         except httpx.HTTPError as exc:
+            if decoder is not None:
+                decoder.abort()
             raise self._wrap_transport_error(exc, server, rid) from exc
+        except BaseException:  # cancelled, or an error response: the decoder's thread ends too
+            if decoder is not None:
+                decoder.abort()
+            raise
         t_body = time.perf_counter()
         server.response_s += t_headers - t_sent
         server.receive_s += t_body - t_headers
         lease = None
         try:
+            if decoder is not None:  # decoded while it arrived: what is left is its last chunk
+                raw = await decoder.body()
+                server.decode_s += time.perf_counter() - t_body
             if ctype == wire.LEASE_MEDIA_TYPE:
                 if arena is None:
                     raise wire.WireFormatError("a lease came back though none was asked for")
@@ -438,6 +431,9 @@ class HsxClient:
                     arena.close()
                     raise wire.WireFormatError("the lease names another arena (server restarted?)")
                 lease.states = arena.view(int(desc["offset"]), int(desc["nbytes"]))
+            elif decoder is not None:
+                wire.check_body(raw)
+                body = raw
             else:
                 body = await asyncio.to_thread(_finish_body, raw, encoding)
                 server.decode_s += time.perf_counter() - t_body

@@ -25,5 +25,5 @@ def encode_body(specs: list[TensorSpec], parts: list, metadata: dict[str, str], 
     body = Body([encode_header(specs, metadata), *parts])
     if coding in ("zstd", "bf16split"):
         return ({"Content-Type": MEDIA_TYPE, "Content-Encoding": "zstd"},
-                stream_zstd(body, stats, pool.level, pool.executor))
+                stream_zstd(body, stats, pool.level, pool.executor, pool.frame_threads))
     return {"Content-Type": MEDIA_TYPE, "Content-Length": str(body.nbytes)}, stream_identity(body, stats)

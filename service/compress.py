@@ -41,11 +41,12 @@ def default_threads() -> int:
 
 
 class CompressPool:
-    def __init__(self, threads: int, inflight: int, level: int = 1, window: int = 4) -> None:
+    def __init__(self, threads: int, inflight: int, level: int = 1, window: int = 4, frame_threads: int = 0) -> None:
         self.threads = threads
         self.inflight = max(1, inflight)
         self.level = level
         self.window = max(1, min(window, self.inflight))
+        self.frame_threads = frame_threads  # zstd threads per zstd-coded body (response.stream_zstd)
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="hsx-compress")
         self._slots: asyncio.Semaphore | None = None  # made on the serving loop
 

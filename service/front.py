@@ -134,7 +134,8 @@ class FrontApp:
                     timeout=httpx.Timeout(None, connect=5.0),
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
                 )
-                self.pool = CompressPool(self.threads, self.settings.compress_inflight, self.settings.zstd_level)
+                self.pool = CompressPool(self.threads, self.settings.compress_inflight, self.settings.zstd_level,
+                                         frame_threads=self.settings.zstd_frame_threads)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.client is not None:

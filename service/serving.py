@@ -76,7 +76,7 @@ class HiddenStatesService:
         # work without use: refused before any templating or tokenizing.
         self.max_text_bytes = settings.max_text_bytes or max(MIN_TEXT_BYTES, TEXT_BYTES_PER_TOKEN * self.max_tokens)
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
-                                     settings.zstd_level)
+                                     settings.zstd_level, frame_threads=settings.zstd_frame_threads)
         self.leases: Leases | None = None
         # HTTP workers (front.py) take their states under leases of their own, so the
         # lease table exists with them even where clients get none (--shm-lease false).

@@ -473,20 +473,3 @@ def test_client_import_is_light():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-
-
-def test_zstd_bodies_one_frame_several_frames_and_implausible_sizes(monkeypatch):
-    """One frame with its content size is decoded in one step; several frames (a streaming
-    server's) and a frame declaring far more than it could hold go the streaming way."""
-    from hsx_client import api
-
-    data = bytes(range(256)) * 4096
-    c = zstandard.ZstdCompressor(level=1)
-    one, two = c.compress(data), c.compress(data[:1000]) + c.compress(data[1000:])
-    assert zstandard.frame_content_size(one) == len(data)
-    assert api._zstd_decompress(one) == data and api._zstd_decompress(two) == data
-    monkeypatch.setattr(zstandard, "frame_content_size", lambda _: 1 << 40)  # "1 TiB" in a few KB
-    monkeypatch.setattr(zstandard.ZstdDecompressor, "decompress", None)  # never the one-step path
-    assert api._zstd_decompress(one) == data
-    with pytest.raises(zstandard.ZstdError):
-        api._zstd_decompress(b"not zstd at all")
