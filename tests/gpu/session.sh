@@ -9,6 +9,7 @@
 #   bash tests/gpu/session.sh extra 0.33.0        # stories260K chats, tiny MoE and hybrid, every layer
 #   bash tests/gpu/session.sh bench 0.33.0        # hsx bench --h200
 #   bash tests/gpu/session.sh bench17 0.33.0 preset|8b [WORKERS [HTTP_WORKERS]]   # issue 17's HTTP rows
+#     (MODES=c skips plain prefill; SERVER_ARGS="--zstd-frame-threads=2" adds hsx serve flags)
 # Results land in $OUT (check-*.json, bench-*.json, logs). Consecutive calls must follow within the
 # machine's 30 s warm time: /tmp (the stashed parts, the assembled kit) goes with the machine.
 set -euo pipefail
@@ -119,6 +120,8 @@ bench17)
     http_workers=${5:-auto}  # hsx serve --http-workers (auto: the server's default)
     server=()
     [ "$http_workers" = auto ] || server=(--server-arg="--http-workers=$http_workers")
+    # More hsx serve flags, e.g. SERVER_ARGS="--zstd-frame-threads=2" (one --server-arg each).
+    for a in ${SERVER_ARGS:-}; do server+=(--server-arg="$a"); done
     if [ "$shape" = 8b ]; then
         llama8b="layers=32,hidden=4096,ffn=14336,heads=32,kv_heads=8,vocab=128256,dtype=bfloat16,max_pos=4096"
         model=(--make-model "$llama8b" --prompts 128 --prompt-len 2048 --layers "2,16,29,32" --concurrency 64 --warmup 16
