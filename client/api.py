@@ -395,7 +395,7 @@ class HsxClient:
                     async for c in resp.aiter_raw():
                         decoder.feed(c)
                     decoder.finish()
-                    raw, wire_bytes = b"", decoder.received
+                    raw, wire_bytes = b"", decoder.received  # raw: the decoder's result, below
                 elif encoding in ("identity", "", "bf16split"):
                     chunks = [c async for c in resp.aiter_raw()]
                     raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -404,13 +404,11 @@ class HsxClient:
                     raw = await resp.aread()
                     wire_bytes = resp.num_bytes_downloaded
                     encoding = "identity"
-        except httpx.HTTPError as exc:
+        except BaseException as exc:  # however the receive ended, the decoder's thread ends too
             if decoder is not None:
                 decoder.abort()
-            raise self._wrap_transport_error(exc, server, rid) from exc
-        except BaseException:  # cancelled, or an error response: the decoder's thread ends too
-            if decoder is not None:
-                decoder.abort()
+            if isinstance(exc, httpx.HTTPError):
+                raise self._wrap_transport_error(exc, server, rid) from exc
             raise
         t_body = time.perf_counter()
         server.response_s += t_headers - t_sent

@@ -5,7 +5,7 @@ Llama-8B shape took ~0.34 s to arrive on the H200 host, 2026-12-02), and decodin
 after the last byte added its whole decode time (~0.13 s) to every request, and to the
 run's tail. Here each body gets a thread of its own (zstandard releases the GIL) that
 decodes the chunks as the event loop hands them over, so only the last chunk's decode
-and one join remain after the last byte. A thread per body rather than a pool: a decoder
+remains after the last byte. A thread per body rather than a pool: a decoder
 waits for its input, and must not hold a pool thread other work (storing) queues for.
 
 Concatenated frames are decoded one after another (RFC 8878: a body may hold several);
@@ -76,7 +76,9 @@ class ZstdBodyDecoder:
         says what is wrong."""
         d = zstandard.ZstdDecompressor()
         chunks: list[bytes] = []
-        sink: _Sink | None = None
+        consumed = 0  # input bytes taken from the queue (this thread's count, not feed's)
+        header_read = False
+        sink: _Sink | None = None  # set when the header declares a size: the fast way
         writer = None
         while True:
             item = self._queue.get()
@@ -85,24 +87,28 @@ class ZstdBodyDecoder:
             if item is _END:
                 break
             chunks.append(item)
-            if sink is None and self.received >= FRAME_HEADER_MAX:
+            consumed += len(item)
+            if not header_read and consumed >= FRAME_HEADER_MAX:
+                header_read = True
                 head = chunks[0] if len(chunks[0]) >= FRAME_HEADER_MAX else b"".join(chunks)[:FRAME_HEADER_MAX]
                 try:
                     declared = zstandard.frame_content_size(head)
                 except zstandard.ZstdError:
                     declared = -1  # not a frame header: the careful way below says so
-                sink = _Sink(declared)
                 if declared > 0:
+                    sink = _Sink(declared)
                     writer = d.stream_writer(sink, write_size=WRITE_SIZE, closefd=False)
+                    so_far = 0
                     for c in chunks:
-                        sink.allow(self.received)
+                        so_far += len(c)
+                        sink.allow(so_far)
                         writer.write(c)
-            elif writer is not None:
-                sink.allow(self.received)
+            elif sink is not None:
+                sink.allow(consumed)
                 writer.write(item)
-        if sink is not None and writer is not None and sink.complete:
+        if sink is not None and sink.complete:
             return sink.buffer
-        return _frame_by_frame(d, chunks, self.received)
+        return _frame_by_frame(d, chunks, consumed)
 
 
 FRAME_HEADER_MAX = 18  # bytes: the longest zstd frame header (RFC 8878 section 3.1.1.1)
