@@ -94,7 +94,7 @@ def test_a_stop_request_ends_every_worker_with_what_they_stored(tmp_path):
 
 
 def test_default_workers_follow_the_core_count():
-    assert [default_workers(c) for c in (1, 2, 3, 4, 8, 16, 128)] == [1, 1, 3, 4, 8, 8, 8]
+    assert [default_workers(c) for c in (1, 2, 3, 4, 8, 16, 128)] == [1, 1, 3, 4, 8, 16, 16]
 
 
 def test_workers_flag_and_help():

@@ -99,3 +99,23 @@ async def test_the_servers_frame_single_or_multithreaded_decodes_as_it_arrives(f
     d.finish()
     out = await d.body()
     assert isinstance(out, bytearray) and out == data
+
+
+def test_frame_threads_default_follows_the_core_count():
+    """--zstd-frame-threads unset: 2 zstd threads per body on hosts with >= 8 cores (measured
+    on the 16-core H200 host), none on small ones (on the 2-core box they cost more)."""
+    from hsx_service.compress import CompressPool, default_frame_threads
+    from hsx_service.settings import ServiceSettings
+
+    assert [default_frame_threads(c) for c in (1, 2, 4, 7, 8, 16, 128)] == [0, 0, 0, 0, 2, 2, 2]
+    assert ServiceSettings.model_fields["zstd_frame_threads"].default is None
+    pool = CompressPool(1, 1, 1, frame_threads=None)
+    try:
+        assert pool.frame_threads == default_frame_threads()
+    finally:
+        pool.shutdown()
+    pool = CompressPool(1, 1, 1, frame_threads=0)  # given: kept, 0 included
+    try:
+        assert pool.frame_threads == 0
+    finally:
+        pool.shutdown()
