@@ -113,7 +113,8 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                    help="processes that receive, decode, hash and write samples, each with its own "
                         "connections; this process alone writes the manifest (crash safety and resume "
                         "unchanged). 1: all in this process. --concurrency-per-server is shared among "
-                        f"them (default min(cores, 16), 1 on <= 2 cores: {default_workers()} here)")
+                        "them, and bounds them (each holds a request per server) "
+                        f"(default min(cores, 16), 1 on <= 2 cores: {default_workers()} here)")
     p.add_argument("--api-key", default=env.api_key, help="bearer token (env HSX_API_KEY)")
     p.add_argument("--timeout", type=float, default=env.timeout,
                    help=f"seconds per request (default {DEFAULTS.timeout:.0f})")

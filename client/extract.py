@@ -55,7 +55,7 @@ from .provenance import finalize
 from .run import EXIT_INTERRUPTED, RunHooks, RunLoop, RunState
 from .settings import DEFAULTS
 from .verify import verify_corpus, verify_samples
-from .workers import WorkerPool, worker_spec
+from .workers import WorkerPool, worker_count, worker_spec
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
 EXIT_CODES = {
@@ -288,13 +288,14 @@ class Extractor:
 
     def _loop(self, state: RunState, client: HsxClient) -> RunLoop | WorkerPool:
         cfg = self.cfg
-        if cfg.workers <= 1:
+        workers = worker_count(cfg.workers, cfg.concurrency_per_server)
+        if workers <= 1:
             return RunLoop(state, concurrency=cfg.concurrency_per_server * len(client.servers),
                            write_workers=cfg.write_workers, handle_signals=cfg.handle_signals, hooks=self.run_hooks)
         if self.transport is not None:
             raise ConfigError("workers > 1 need real connections (a test transport stays in this process)")
-        spec = worker_spec(cfg, state, workers=cfg.workers, servers=list(client.servers))
-        return WorkerPool(state, spec, workers=cfg.workers, handle_signals=cfg.handle_signals, hooks=self.run_hooks)
+        spec = worker_spec(cfg, state, workers=workers, servers=list(client.servers))
+        return WorkerPool(state, spec, workers=workers, handle_signals=cfg.handle_signals, hooks=self.run_hooks)
 
     def _what_is_done(self, fmt: Any, keys: list[str], manifest: store.JsonlLog):
         """(done, failed for good, how many stored samples are redone)."""

@@ -361,6 +361,13 @@ def add_stats(total: dict[str, dict[str, Any]], one: dict[str, dict[str, Any]]) 
             mine[k] = mine.get(k, 0) + v if summable else v
 
 
+def worker_count(requested: int, concurrency_per_server: int) -> int:
+    """Worker processes a run starts: no more than --concurrency-per-server, since each one
+    holds at least one request per server (more would raise the requests in flight past
+    what the user set, and a worker with nothing in flight is a process for nothing)."""
+    return max(1, min(requested, concurrency_per_server))
+
+
 def worker_spec(cfg: Any, state: RunState, *, workers: int, servers: list[str]) -> WorkerSpec:
     """The spec of one of `workers` workers: the run's requests in flight and store threads
     shared among them (--concurrency-per-server stays the total per server)."""

@@ -119,3 +119,23 @@ def test_one_worker_is_the_in_process_loop_and_a_test_transport_stays_in_process
     assert type(Extractor(two)._loop(st, client)) is WorkerPool
     with pytest.raises(ConfigError, match="real connections"):
         Extractor(two, transport=object())._loop(st, client)
+
+
+def test_workers_never_outnumber_the_requests_in_flight(tmp_path):
+    """16 workers (the default on 16 cores) with --concurrency-per-server 8 start 8, one request
+    each: the requests in flight stay what the user set. With 1 in flight, the in-process loop."""
+    from types import SimpleNamespace
+
+    from hsx_client.extract import ExtractConfig, Extractor
+    from hsx_client.run import RunLoop
+    from hsx_client.workers import worker_count
+
+    assert [worker_count(16, c) for c in (1, 2, 8, 16, 64)] == [1, 2, 8, 16, 16]
+    client = SimpleNamespace(servers=["http://x", "http://y"])
+    st = SimpleNamespace(**{f: None for f in ("fmt", "ctx", "out", "settings", "served_layers", "keys")})
+    pool = Extractor(ExtractConfig(servers=client.servers, output=tmp_path, workers=16,
+                                   concurrency_per_server=8))._loop(st, client)
+    assert type(pool) is WorkerPool and pool.workers == 8
+    assert pool.spec.client_args["concurrency_per_server"] == 1 and pool.spec.concurrency == 2
+    one = ExtractConfig(servers=client.servers, output=tmp_path, workers=16, concurrency_per_server=1)
+    assert type(Extractor(one)._loop(st, client)) is RunLoop
