@@ -11,12 +11,13 @@ flag > an environment variable > the default.
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
+
+from hsx.host import usable_cores
 
 
 class ClientSettings(BaseSettings):
@@ -57,5 +58,5 @@ def default_workers(cores: int | None = None) -> int:
     8 took 0.64 s (8B shape, 2026-12-02: zstd 0.888x -> 0.919x of plain prefill, identity
     0.950x -> 0.968x; bench/README.md, fifth session)."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
     return 1 if cores <= 2 else min(cores, MAX_DEFAULT_WORKERS)

@@ -22,26 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import zstandard
 
 from hsx import bf16split
+from hsx.host import usable_cores
 from hsx.wire import TensorSpec, encode_header
 from hsx_service.response import timed
 
 PIECE = bf16split.PIECE
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def default_threads() -> int:
     """Cores free of the engine: its core process and the API's event loop keep two."""
-    return max(1, _cores() - 2)
+    return max(1, usable_cores() - 2)
 
 
 FRAME_THREADS_MIN_CORES = 8
@@ -52,7 +48,7 @@ def default_frame_threads(cores: int | None = None) -> int:
     else 0. Measured: on the 16-core H200 host 2 threads cut compression from 0.235 to 0.12 s
     per 67 MB body (8B shape, 2026-12-02), part of the runs at 0.919x / 0.921x of plain
     prefill; on the 2-core CI box they cost more than they saved."""
-    cores = _cores() if cores is None else cores
+    cores = usable_cores() if cores is None else cores
     return 2 if cores >= FRAME_THREADS_MIN_CORES else 0
 
 

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 
+from hsx.host import usable_cores
 from hsx_service.compress import default_threads
 from hsx_service.errors import StartupError
 from hsx_service.settings import ServiceSettings
@@ -39,7 +40,7 @@ def resolve_count(setting: int | None, cpu_backend: bool, cores: int | None = No
         return setting
     if cpu_backend:
         return 0
-    cores = cores or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    cores = cores or usable_cores()
     return max(2, min(MAX_AUTO, cores // 4))
 
 
