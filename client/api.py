@@ -430,8 +430,7 @@ class HsxClient:
                     raise wire.WireFormatError("the lease names another arena (server restarted?)")
                 lease.states = arena.view(int(desc["offset"]), int(desc["nbytes"]))
             elif decoder is not None:
-                wire.check_body(raw)
-                body = raw
+                body = _finish_body(raw, "identity")  # decoded already: the layout check alone
             else:
                 body = await asyncio.to_thread(_finish_body, raw, encoding)
                 server.decode_s += time.perf_counter() - t_body
