@@ -58,7 +58,7 @@ from hsx import __version__ as hsx_version
 from . import store
 from .formats import CorpusContext, format_options, get_format
 from .merge_check import PER_SHARD_CORPUS_FIELDS, MergeRefused, Shard, load_all
-from .plan import PLAN_VERSION
+from .plan import PLAN_VERSION, split_dropped
 from .provenance import files_digest
 from .verify import renumbered_path
 
@@ -104,6 +104,16 @@ def _fault(point: str, n: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------- plan
+def not_stored(sh: Shard) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """(failed, dropped) samples of a shard, by its own index."""
+    return split_dropped(sh.failed)
+
+
+def global_index(sh: Shard, i: int) -> int:
+    """A shard's sample index in the global plan (shards are contiguous slices of it)."""
+    return int(sh.section["start"]) + i
+
+
 def plan_rows(shards: list[Shard]) -> list[Row]:
     rows: list[Row] = []
     for sh in shards:
@@ -342,26 +352,35 @@ class Merger:
                 if v not in versions[k]:
                     versions[k].append(v)
         merge = dict(plan["merge"])
+        # Per-shard facts are combined, not compared (merge_check): each shard's failed and
+        # dropped samples by key, and all of them by their index in the global plan (the
+        # merged corpus's own numbering holds only stored samples: they have none there).
         merge["shards"] = [
             {**s, "created_at": sh.corpus.get("created_at"), "tokens": sh.corpus.get("counts", {}).get("tokens"),
              "versions": sh.corpus.get("versions"),
-             "failed_keys": [sh.plan["keys"][i] for i in sorted(sh.failed)]}
+             "failed_keys": [sh.plan["keys"][i] for i in sorted(not_stored(sh)[0])],
+             "dropped_keys": [sh.plan["keys"][i] for i in sorted(not_stored(sh)[1])]}
             for s, sh in zip(plan["merge"]["shards"], shards)
         ]
+        merge["global_failed_indices"] = sorted(global_index(sh, i) for sh in shards for i in not_stored(sh)[0])
+        merge["global_dropped_indices"] = sorted(global_index(sh, i) for sh in shards for i in not_stored(sh)[1])
         corpus.update(
             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             inputs=c0.get("inputs"),
             versions={k: v[0] if len(v) == 1 else v for k, v in versions.items()} | {"hsx_merge": hsx_version},
             merge=merge,
             counts={
-                "planned": len(done), "done": len(done), "failed": 0,
+                "planned": len(done), "done": len(done), "failed": 0, "dropped": 0,
+                "truncated": sum(1 for e in done.values() if e.get("truncated_from")),
                 "bad_rows": c0.get("counts", {}).get("bad_rows"),
                 "input_samples": c0.get("counts", {}).get("input_samples"),
                 "tokens": sum(int(e.get("tokens", 0)) for e in done.values()),
                 "global_planned": plan["merge"]["global_samples"],
-                "global_failed": sum(len(sh.failed) for sh in shards),
+                "global_failed": len(merge["global_failed_indices"]),
+                "global_dropped": len(merge["global_dropped_indices"]),
             },
             failed_indices=[],
+            dropped_indices=[],
             finalize_files=files_digest(self.out, written),
         )
         return corpus
@@ -370,6 +389,7 @@ class Merger:
         s = {
             "output": str(self.out), "shards": len(shards), "samples": corpus["counts"]["done"],
             "tokens": corpus["counts"]["tokens"], "failed_in_shards": corpus["counts"].get("global_failed", 0),
+            "dropped_in_shards": corpus["counts"].get("global_dropped", 0),
             "linked": self.placer.links, "copied": self.placer.copies, "corpus": str(self.out / store.CORPUS_NAME),
         }
         if message:
@@ -412,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hsx merge: {s['shards']} shards -> {s['samples']} samples, {s['tokens']} tokens in {s['output']} "
               f"({s['linked']} files linked, {s['copied']} copied, {s['seconds']} s)"
               + (f"; {s['failed_in_shards']} sample(s) had failed in their shards" if s["failed_in_shards"] else "")
+              + (f"; {s['dropped_in_shards']} sample(s) were dropped in their shards (no supervised token)"
+                 if s.get("dropped_in_shards") else "")
               + (f"; {s['message']}" if s.get("message") else ""), file=sys.stderr)
     if args.json:
         print(json.dumps({**s, "status": result.status, "exit_code": result.exit_code}, indent=1, default=str))

@@ -184,6 +184,38 @@ def test_failed_samples_are_left_out_and_listed(tmp_path, inputs):
     assert verify_corpus(out)["ok"]
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_shards_that_dropped_samples_merge_like_one_client(tmp_path, inputs, fmt):
+    """Issue 25 item 1: every shard drops samples (no supervised token left after right
+    truncation), each at its own indices; the shards' dropped_indices are combined, not
+    compared, and the merge is the single client's corpus, drops listed by global index."""
+    settings = dict(seed=5, max_samples=20, max_length=10, truncation="right")
+    single = tmp_path / "single"
+    extract(single, inputs, fmt=fmt, mask_policy=FORMATS[fmt], **settings)
+    ref = json.loads((single / "hsx_corpus.json").read_text())
+    shards = make_shards(tmp_path, inputs, 3, fmt, **settings)
+    per_shard = [json.loads((s / "hsx_corpus.json").read_text())["dropped_indices"] for s in shards]
+    assert all(per_shard) and len({tuple(d) for d in per_shard}) == 3, per_shard  # each drops, each its own
+    out = tmp_path / "merged"
+    r = run_merge(out, shards)
+    assert r.exit_code == 0, r.summary
+    corpus = json.loads((out / "hsx_corpus.json").read_text())
+    assert corpus["merge"]["global_dropped_indices"] == ref["dropped_indices"]
+    assert corpus["counts"]["global_dropped"] == ref["counts"]["dropped"] and corpus["counts"]["global_failed"] == 0
+    assert corpus["counts"]["done"] == ref["counts"]["done"] == 20 - len(ref["dropped_indices"])
+    assert corpus["counts"]["truncated"] == ref["counts"]["truncated"]  # (the fake server does not say)
+    plan_keys = json.loads((single / "plan.json").read_text())["keys"]
+    assert [k for s in corpus["merge"]["shards"] for k in s["dropped_keys"]] == \
+        [plan_keys[i] for i in ref["dropped_indices"]]
+    assert_same_samples(samples_by_key(out), samples_by_key(single))
+    got, want = vocab_files(out), vocab_files(single)
+    renumbering = ("compacted_moves", "compaction_journal")  # the single corpus compacted its drops away
+    assert {k: v for k, v in json.loads(got.pop("hsx_format.json")).items() if k not in renumbering} == \
+        {k: v for k, v in json.loads(want.pop("hsx_format.json")).items() if k not in renumbering}
+    assert got == want
+    assert verify_corpus(out)["ok"]
+
+
 def test_copies_across_filesystems_with_checksums(tmp_path, inputs):
     shm = Path("/dev/shm")
     if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
