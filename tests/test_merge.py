@@ -74,6 +74,20 @@ def vocab_files(out: Path) -> dict[str, bytes]:
     return {n: (out / n).read_bytes() for n in names if (out / n).exists()}
 
 
+def assert_files_say_only_true_things(out: Path) -> None:
+    """Issue 25 item 3: a sample file's own metadata holds nothing that its position in
+    this corpus contradicts (a hard-linked file is at another index in each corpus)."""
+    from safetensors import safe_open
+
+    files = sorted(out.glob("hidden_states/hs_*.safetensors")) + sorted(out.glob("token_ids/ids_*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            meta = st.metadata() or {}
+        position = f.stem.rpartition("_")[2]
+        assert meta.get("index", position) == position, (f, meta)
+        assert set(meta) <= {"format", "layer_ids", "index"}, (f, meta)  # nothing else shard-local
+
+
 def make_shards(tmp: Path, inputs: Path, count: int, fmt: str = "speculators", name: str = "s", **kw) -> list[Path]:
     dirs = []
     for i in range(count):
@@ -138,7 +152,7 @@ def test_merge_equals_a_single_client_run(tmp_path, inputs, fmt, capsys):
 def test_fp8_and_token_table_shards_merge_as_their_variant(tmp_path, inputs, variant):
     """`--dtype fp8` / `--states none` shards: the merge uses the format's own variant (its
     per-sample files, its finalize), and the result holds one client's corpus: the same
-    tensors in every sample file (hard links: their header names the shard's index), the
+    tensors in every sample file (hard links: the same bytes, no index inside), the
     same table and vocab files."""
     from safetensors.torch import load_file
 
@@ -161,6 +175,7 @@ def test_fp8_and_token_table_shards_merge_as_their_variant(tmp_path, inputs, var
     corpus = json.loads((out / "hsx_corpus.json").read_text())
     assert (corpus["states"], corpus["states_dtype"]) == (variant.get("states", "all"), variant.get("dtype", "auto"))
     assert verify_corpus(out)["ok"]
+    assert_files_say_only_true_things(out)
 
 
 def test_failed_samples_are_left_out_and_listed(tmp_path, inputs):
@@ -214,6 +229,8 @@ def test_shards_that_dropped_samples_merge_like_one_client(tmp_path, inputs, fmt
         {k: v for k, v in json.loads(want.pop("hsx_format.json")).items() if k not in renumbering}
     assert got == want
     assert verify_corpus(out)["ok"]
+    for corpus_dir in (out, single, *shards):
+        assert_files_say_only_true_things(corpus_dir)
 
 
 def test_copies_across_filesystems_with_checksums(tmp_path, inputs):
