@@ -155,7 +155,12 @@ def _dst_files(fmt: Any, row: Row) -> list[tuple[str, str, dict[str, Any]]]:
         if renumbered_path(fmt, rel, row.source, row.source + 1) == rel:
             raise MergeRefused([f"{row.shard.name}: sample {row.source} has a file {rel} that is not a per-sample "
                                 f"path of the {fmt.name} format; it cannot be renumbered"])
-        out.append((renumbered_path(fmt, rel, row.source, now), renumbered_path(fmt, rel, row.source, row.index), meta))
+        src = renumbered_path(fmt, rel, row.source, now)
+        try:  # a per-sample name, but maybe a symlink out of the shard: never link that in
+            store.inside(row.shard.path, src)
+        except store.UnsafePathError as exc:
+            raise MergeRefused([f"{row.shard.name}: sample {row.source}'s file {exc}"]) from None
+        out.append((src, renumbered_path(fmt, rel, row.source, row.index), meta))
     return out
 
 

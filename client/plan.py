@@ -409,6 +409,10 @@ def drop_broken(out: Path, keys: list[str], done: dict[int, dict[str, Any]], che
     for i, e in list(done.items()):
         if i >= len(keys) or e.get("key") != keys[i]:
             raise ConfigError(f"manifest line for index {i} does not match the plan (key {e.get('key')!r})")
+        outside = store.unsafe_paths(out, e)
+        if outside:  # an edited manifest: never read, replace or link a file elsewhere
+            raise ConfigError(f"manifest line for index {i} names a file outside {out}: {outside[0]}; restore "
+                              f"{store.MANIFEST_NAME} or extract into a new --output")
         if check_sizes and store.check_sizes(out, e):
             del done[i]
             redo += 1
