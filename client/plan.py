@@ -359,20 +359,21 @@ def split_dropped(failed: dict[int, dict[str, Any]]) -> tuple[dict[int, dict[str
     return {i: e for i, e in failed.items() if i not in dropped}, dropped
 
 
-def refuse_changes_after_compaction(out: Path, verify: bool, retry_failed: bool) -> None:
-    """finalize renumbered the samples (a format without holes): the corpus takes no more
-    samples; only an interrupted finalize is finished."""
-    for flag, given in (("--verify", verify), ("--retry-failed", retry_failed)):
-        if given:
-            raise ConfigError(
-                f"{out} was finalized with renumbering ({store.COMPACTION_JOURNAL}); {flag} cannot "
-                "change it: extract into a new --output"
-            )
-    if (out / store.VERIFY_NAME).exists():
+def refuse_changes_after_compaction(out: Path, retry_failed: bool) -> None:
+    """finalize renumbered the samples (a format without holes): the set of stored samples
+    is fixed, so failed samples cannot be added any more. Bad samples (`hsx verify`,
+    `--verify`) are still redone in place: each is extracted again under its plan index,
+    and the rerun finalize moves it to its renumbered place as the journal says."""
+    if retry_failed:
         raise ConfigError(
-            f"{out} was finalized with renumbering ({store.COMPACTION_JOURNAL}) and hsx verify found bad "
-            "samples; they cannot be redone in place: extract into a new --output"
+            f"{out} was finalized with renumbering ({store.COMPACTION_JOURNAL}); --retry-failed would add "
+            "samples and renumber it again: extract into a new --output"
         )
+
+
+def repairing(entries: Iterable[dict[str, Any]], done: dict[int, dict[str, Any]]) -> set[int]:
+    """Indices invalidated (verify found them bad) and not stored again since."""
+    return {int(e["index"]) for e in entries if e.get("invalid") and "index" in e} - set(done)
 
 
 def invalidate(manifest: store.JsonlLog, done: dict[int, dict[str, Any]], bad: Iterable[dict[str, Any]]) -> int:
