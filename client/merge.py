@@ -140,8 +140,8 @@ def merge_section(shards: list[Shard]) -> dict[str, Any]:
 
 def merged_plan(shards: list[Shard], rows: list[Row]) -> dict[str, Any]:
     p0 = shards[0].plan
-    plan = {k: p0.get(k) for k in ("settings", "inputs", "inputs_sha256", "num_input_samples", "bad_rows",
-                                   "model", "model_revision")}
+    plan = {k: p0.get(k) for k in ("settings", "inputs", "inputs_sha256", "input_files", "num_input_samples",
+                                   "bad_rows", "model", "model_revision")}
     plan.update(version=PLAN_VERSION, created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 keys=[r.key for r in rows], merge=merge_section(shards))
     return plan

@@ -170,6 +170,48 @@ def inputs_fingerprint(samples: list[Any]) -> str:
     return h.hexdigest()
 
 
+def input_files(inputs: list[str]) -> list[dict[str, Any]]:
+    """Size and checksum of every local file the inputs name (a directory's files, sorted;
+    `hf:` datasets have none). The plan keeps them, and every later run on the dir compares
+    them: the samples' fingerprint alone misses an edit of a field no request uses."""
+    files: list[dict[str, Any]] = []
+    for spec in inputs:
+        if os.path.isfile(spec):
+            paths = [spec]
+        elif os.path.isdir(spec):
+            paths = sorted(str(p) for p in Path(spec).rglob("*") if p.is_file())
+        else:
+            continue
+        for path in paths:
+            size, digest = store.hash_file(Path(path))
+            files.append({"path": os.path.abspath(path), "size": size, store.HASH_ALGO: digest})
+    return files
+
+
+def changed_inputs(recorded: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[str]:
+    """One line per input file that is not as the plan recorded it; none when the same
+    contents are read from other paths (a volume mounted elsewhere on resume)."""
+    def contents(files: list[dict[str, Any]]) -> list[tuple[int, Any]]:
+        return sorted((f["size"], store.recorded_digest(f)) for f in files)
+
+    if contents(recorded) == contents(now):
+        return []
+    was = {f["path"]: f for f in recorded}
+    cur = {f["path"]: f for f in now}
+    lines = []
+    for path in sorted(set(was) | set(cur)):
+        a, b = was.get(path), cur.get(path)
+        if b is None:
+            lines.append(f"{path} is gone (the plan read {a['size']} bytes from it)")
+        elif a is None:
+            lines.append(f"{path} is new (not among the plan's inputs)")
+        elif a["size"] != b["size"]:
+            lines.append(f"{path} changed: {a['size']} bytes when planned, {b['size']} now")
+        elif store.recorded_digest(a) != store.recorded_digest(b):
+            lines.append(f"{path} changed: same size ({b['size']} bytes), other content")
+    return lines
+
+
 def normalize_input(path: str) -> str:
     return os.path.abspath(path) if os.path.exists(path) else path
 
@@ -257,6 +299,7 @@ def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info
         "settings": settings,
         "inputs": inputs,
         "inputs_sha256": samples.fingerprint,
+        "input_files": input_files(inputs),
         "num_input_samples": samples.count,
         "bad_rows": samples.bad_rows,
         "bad_row_kinds": dict(bad_row_counts(samples.bad)),
@@ -272,10 +315,20 @@ def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info
 def check_resumable(plan: dict[str, Any], inputs: list[str], samples: Samples, info: dict[str, Any],
                     layers: list[int], out: Path, shard: ShardSpec | None = None) -> None:
     problems = []
-    if plan.get("inputs_sha256") != samples.fingerprint:
+    changed = changed_inputs(plan["input_files"], input_files(inputs)) if "input_files" in plan else []
+    if changed:  # checked on every run, a finished corpus too: it was made from the files as they were
+        same = plan.get("inputs_sha256") == samples.fingerprint
+        problems += [f"input {line}" for line in changed]
+        problems.append(
+            ("the samples read from them are still the plan's (only fields no request uses changed), but "
+             if same else f"the samples read from them differ from the plan's ({plan.get('num_input_samples')} "
+                          f"then, {samples.count} now); ")
+            + "the corpus was made from the files as they were: restore them, or extract into a new --output"
+        )
+    elif plan.get("inputs_sha256") != samples.fingerprint:
         problems.append(
             f"the inputs differ from the plan's ({plan.get('num_input_samples')} samples from "
-            f"{plan.get('inputs')}, now {samples.count} from {inputs})"
+            f"{plan.get('inputs')}, now {samples.count} from {inputs}); restore them, or extract into a new --output"
         )
     for k in ("model", "model_revision"):
         if plan.get(k) != info.get(k):
