@@ -399,3 +399,50 @@ def test_cli_refusal_is_one_line_per_problem_and_exit_2(tmp_path, pair, capsys):
     assert merge_main([str(tmp_path / "out"), str(pair[0])]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["hsx merge: shard(s) 1 of 2 are missing (given: 0)"]
+
+
+# ----------------------------------------------------------------------------- real data, real engine
+OASST_MAX_LENGTH = 500  # right truncation at 500 tokens leaves about a quarter of the OASST rows nothing to train on
+
+
+@pytest.mark.engine
+@pytest.mark.fixtures
+@pytest.mark.slow
+def test_real_shards_that_drop_samples_merge(e2e_pool, tmp_path):
+    """Issue 25 item 1 as found: `hsx extract --max-length 500 --shard I/3` over the OASST
+    fixture (default right truncation), each shard dropping its own samples, then
+    `hsx merge mrg sh0 sh1 sh2`: merged (was refused on dropped_indices), verified, and
+    speculators' reader takes every row."""
+    pytest.importorskip("speculators", reason="speculators is not installed (the trainer's reader)")
+    from _e2e_helpers import HSX, assert_verify_ok, check_speculators_corpus, cli_env, run_extract
+    from _server import CHAT
+    from hsx_client.inputs import read_samples
+
+    import subprocess
+
+    oasst = str(CHAT / "oasst" / "threads.messages.jsonl")
+    (server,) = e2e_pool.get(1)
+    args = ["--format", "speculators", "--max-length", str(OASST_MAX_LENGTH), "--max-samples", "24", "--seed", "3",
+            "--input", oasst]
+    shards = [tmp_path / f"sh{i}" for i in range(3)]
+    for i, sh in enumerate(shards):
+        summary = run_extract([server], sh, "--shard", f"{i}/3", *args)
+        assert summary["status"] == "complete" and summary["dropped"] > 0, summary
+    dropped = [json.loads((sh / "hsx_corpus.json").read_text())["dropped_indices"] for sh in shards]
+    assert len({tuple(d) for d in dropped}) > 1, dropped  # what the merge used to compare
+
+    out = tmp_path / "mrg"
+    r = subprocess.run([*HSX, "merge", str(out), *map(str, shards), "--json", "--quiet"], capture_output=True,
+                       text=True, timeout=300, env=cli_env())
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    corpus = json.loads((out / "hsx_corpus.json").read_text())
+    n_dropped = sum(map(len, dropped))
+    assert summary["samples"] == 24 - n_dropped and summary["dropped_in_shards"] == n_dropped
+    assert corpus["counts"]["global_dropped"] == n_dropped and corpus["counts"]["truncated"] > 0
+    starts = [json.loads((sh / "plan.json").read_text())["shard"]["start"] for sh in shards]
+    assert corpus["merge"]["global_dropped_indices"] == sorted(s + i for s, d in zip(starts, dropped) for i in d)
+    assert_verify_ok(out)
+    requests = {s.key: s.request for s in read_samples([oasst], mask_policy="per_turn")}
+    assert check_speculators_corpus(out, requests, OASST_MAX_LENGTH, "right") == 24 - n_dropped
+    assert_files_say_only_true_things(out)
