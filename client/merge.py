@@ -6,7 +6,10 @@ then shard 1's, ...; each shard's in its plan order, failed samples left out), r
 0..m-1 (`hs_{i}` / `data_{i}.ckpt`), with one table, token_freq.pt and the vocab mappings
 rebuilt by the format's own `finalize` over all of them, a manifest whose lines carry the
 shards' records and checksums, and hsx_corpus.json listing every shard. Without failures
-it is, row for row, the corpus one client would have written from the same plan.
+it is, row for row, the corpus one client would have written from the same plan. What each
+shard says about its own samples (counts, the indices it dropped or failed) is combined,
+not compared: dropped and failed samples are listed by key per shard and by their index in
+the global plan (they have none in the merged numbering, which holds stored samples only).
 
 Steps (OUT locked; every step can be killed and rerun):
  1. read and check the shards (`merge_check`): anything that disagrees is refused, exit 2;

@@ -7,7 +7,10 @@ Samples a format renumbered in finalize (speculators compacts failed indices awa
 `hsx_compaction.json`) are checked under their new index, or under the old one while
 the compaction is unfinished (a crash between the journal and the last rename: the
 sample is intact under its old name, and the next `hsx extract` finishes the moves).
-Verify never calls such a sample bad or missing, so it never strands the corpus.
+Verify never calls such a sample bad or missing, so it never strands the corpus; a bad
+sample of a renumbered corpus is redone by the next `hsx extract` under its manifest index
+and moved back into place by its finalize. A recorded path that is absolute or leads out of
+the corpus (`..`, a symlink) is a problem of its sample, never opened (store.inside).
 """
 
 from __future__ import annotations

@@ -57,8 +57,9 @@ class SpeculatorsFormat:
     rerun after a crash recomputes the same plan from the same records, checks it against
     the journal and finishes it (a move whose source is gone and target present is done).
     The journal stays as the record of the renumbering: sample `old` now lives at `new`,
-    so `verify_sample` must be given the new index for moved samples. The corpus is final
-    after that: do not resume extraction into it.
+    so `verify_sample` must be given the new index for moved samples. The set of samples is
+    final after that (no --retry-failed); a sample found bad is redone under its plan index
+    and the rerun finalize moves it into its place again (the same journal).
     """
 
     name = "speculators"
