@@ -22,7 +22,9 @@ Steps (OUT locked; every step can be killed and rerun):
     A rerun skips the samples with a manifest line and redoes the rest (a link already in
     place is kept). Across filesystems (EXDEV), or where links are refused, a file is
     copied instead: to a temporary name, checksummed against the shard's manifest while
-    copying, fsync'ed, renamed;
+    copying, fsync'ed, renamed. A speculators file from a client that still wrote its
+    sample index into the file's metadata is copied the same way with that entry left out
+    (its new checksum in the manifest): in OUT it sits at another index;
  4. the format's finalize (table, vocab files, hsx_format.json; itself rerunnable);
  5. hsx_corpus.json, written last: its presence marks a finished merge.
 
@@ -48,6 +50,7 @@ import hashlib
 import json
 import os
 import signal
+import struct
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -168,15 +171,73 @@ def _dst_files(fmt: Any, row: Row) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 # ---------------------------------------------------------------- files
+def legacy_index_header(path: Path) -> tuple[int, bytes] | None:
+    """(old header length, the header without its "index") of a speculators sample file
+    written before files stopped naming their sample index, else None. Such a file is
+    rewritten, not linked: in the merged corpus it sits at another index than the one
+    it names."""
+    if path.suffix != ".safetensors":
+        return None
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return None
+        n = struct.unpack("<Q", head)[0]
+        if n > 1 << 24:
+            return None
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or "index" not in meta:
+        return None
+    header["__metadata__"] = {k: v for k, v in meta.items() if k != "index"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # the data stays 8-byte aligned, as safetensors writes it
+    return 8 + n, struct.pack("<Q", len(raw)) + raw
+
+
+def rewrite_without_index(src: Path, dst: Path, old_len: int, header: bytes, expected: tuple[str, str] | None,
+                          chunk: int = 8 << 20) -> dict[str, Any]:
+    """`dst` = `header` + `src`'s tensor bytes, atomically; `src` is checked against its
+    recorded checksum on the way. Returns the new file's manifest meta."""
+    old_hash = store.new_hash(expected[0] if expected else store.HASH_ALGO)
+    new_hash = store.new_hash()
+    size = 0
+
+    def write(tmp: Path) -> None:
+        nonlocal size
+        with open(src, "rb") as fi, open(tmp, "xb") as fo:
+            old_hash.update(fi.read(old_len))
+            fo.write(header)
+            new_hash.update(header)
+            size = len(header)
+            while block := fi.read(chunk):
+                old_hash.update(block)
+                new_hash.update(block)
+                fo.write(block)
+                size += len(block)
+            fo.flush()
+            os.fsync(fo.fileno())
+        if expected is not None and old_hash.hexdigest() != expected[1]:
+            raise store.ChecksumError(f"{src}: {expected[0]} differs from the recorded one (the file is corrupted)")
+
+    store._replace_via_tmp(Path(dst), write)
+    return {"size": size, store.HASH_ALGO: new_hash.hexdigest()}
+
+
 class Placer:
     """Puts a shard's file at its new name: a hard link, else a checksummed copy."""
 
     def __init__(self) -> None:
         self.links = 0
         self.copies = 0
+        self.rewrites = 0
         self._no_link: set[int] = set()  # st_dev of shards that cannot link into OUT
 
-    def place(self, src: Path, dst: Path, meta: dict[str, Any]) -> None:
+    def place(self, src: Path, dst: Path, meta: dict[str, Any]) -> dict[str, Any]:
+        """Puts the file in place; returns its manifest meta in OUT (the shard's, unless rewritten)."""
         try:
             st = os.stat(src)
         except FileNotFoundError:
@@ -187,25 +248,31 @@ class Placer:
         try:
             if os.path.samestat(st, os.stat(dst)):  # linked by an earlier, interrupted run
                 self.links += 1
-                return
+                return meta
             os.unlink(dst)  # a copy whose manifest line was never written: redo it
         except FileNotFoundError:
             pass
         dst.parent.mkdir(parents=True, exist_ok=True)
-        if st.st_dev not in self._no_link:
-            try:
-                os.link(src, dst)
-                self.links += 1
-                return
-            except OSError as exc:
-                if exc.errno not in _NO_LINK:
-                    raise
-                self._no_link.add(st.st_dev)
+        legacy = legacy_index_header(src)
         try:
+            if legacy is not None:
+                new_meta = rewrite_without_index(src, dst, *legacy, store.recorded_digest(meta))
+                self.rewrites += 1
+                return new_meta
+            if st.st_dev not in self._no_link:
+                try:
+                    os.link(src, dst)
+                    self.links += 1
+                    return meta
+                except OSError as exc:
+                    if exc.errno not in _NO_LINK:
+                        raise
+                    self._no_link.add(st.st_dev)
             store.copy_file_atomic(src, dst, expected=store.recorded_digest(meta))
         except store.ChecksumError as exc:
             raise MergeError(f"{exc}: run `hsx verify` on the shard and rerun its hsx extract") from None
         self.copies += 1
+        return meta
 
 
 # ---------------------------------------------------------------- the run
@@ -313,8 +380,7 @@ class Merger:
         def one(row: Row) -> dict[str, Any]:
             files = {}
             for src_rel, dst_rel, meta in placements[row.index]:
-                self.placer.place(row.shard.path / src_rel, self.out / dst_rel, meta)
-                files[dst_rel] = meta
+                files[dst_rel] = self.placer.place(row.shard.path / src_rel, self.out / dst_rel, meta)
             return {**{k: v for k, v in row.entry.items() if k not in ("index", "files")},
                     "index": row.index, "files": files, "shard": row.shard.index, "shard_index": row.source}
 
@@ -398,7 +464,8 @@ class Merger:
             "output": str(self.out), "shards": len(shards), "samples": corpus["counts"]["done"],
             "tokens": corpus["counts"]["tokens"], "failed_in_shards": corpus["counts"].get("global_failed", 0),
             "dropped_in_shards": corpus["counts"].get("global_dropped", 0),
-            "linked": self.placer.links, "copied": self.placer.copies, "corpus": str(self.out / store.CORPUS_NAME),
+            "linked": self.placer.links, "copied": self.placer.copies, "rewritten": self.placer.rewrites,
+            "corpus": str(self.out / store.CORPUS_NAME),
         }
         if message:
             s["message"] = message
@@ -438,7 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hsx merge: {s['message']}", file=sys.stderr)
     else:
         print(f"hsx merge: {s['shards']} shards -> {s['samples']} samples, {s['tokens']} tokens in {s['output']} "
-              f"({s['linked']} files linked, {s['copied']} copied, {s['seconds']} s)"
+              f"({s['linked']} files linked, {s['copied']} copied"
+              + (f", {s['rewritten']} rewritten without their shard's index" if s.get("rewritten") else "")
+              + f", {s['seconds']} s)"
               + (f"; {s['failed_in_shards']} sample(s) had failed in their shards" if s["failed_in_shards"] else "")
               + (f"; {s['dropped_in_shards']} sample(s) were dropped in their shards (no supervised token)"
                  if s.get("dropped_in_shards") else "")

@@ -446,3 +446,43 @@ def test_real_shards_that_drop_samples_merge(e2e_pool, tmp_path):
     requests = {s.key: s.request for s in read_samples([oasst], mask_policy="per_turn")}
     assert check_speculators_corpus(out, requests, OASST_MAX_LENGTH, "right") == 24 - n_dropped
     assert_files_say_only_true_things(out)
+
+
+def test_files_that_name_their_shard_index_are_rewritten_without_it(tmp_path, inputs):
+    """Issue 25 item 3 for shards written before sample files stopped naming their index
+    (`index` in the safetensors metadata): the merge copies such a file without it, checked
+    against the shard's checksum, records the new checksum, and the tensors stay the same."""
+    import struct
+
+    from safetensors.torch import load_file
+
+    shards = make_shards(tmp_path, inputs, 2, max_samples=10)
+    for sh in shards:  # make them look like an older client's shards
+        lines = [json.loads(x) for x in (sh / "manifest.jsonl").read_text().splitlines()]
+        for e in lines:
+            (rel, meta), = e["files"].items()
+            data = (sh / rel).read_bytes()
+            n = struct.unpack("<Q", data[:8])[0]
+            header = json.loads(data[8:8 + n])
+            header["__metadata__"]["index"] = str(e["index"])
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-(8 + len(raw)) % 8)
+            store.write_file_atomic(sh / rel, struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+            size, digest = store.hash_file(sh / rel)
+            e["files"] = {rel: {"size": size, store.HASH_ALGO: digest}}
+        (sh / "manifest.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+        assert verify_corpus(sh)["ok"]
+    out = tmp_path / "merged"
+    r = run_merge(out, shards)
+    assert r.exit_code == 0 and r.summary["rewritten"] == 10 and r.summary["linked"] == 0, r.summary
+    assert_files_say_only_true_things(out)
+    assert verify_corpus(out)["ok"]
+    whole = {**samples_by_key(shards[0]), **samples_by_key(shards[1])}
+    assert_same_samples(samples_by_key(out), whole)
+    # a corrupted legacy file is caught by the shard's checksum while rewriting
+    victim = shards[1] / "hidden_states" / "hs_1.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    r = run_merge(tmp_path / "merged2", shards)
+    assert r.exit_code == 1 and "corrupted" in r.summary["message"] and str(victim) in r.summary["message"], r.summary
