@@ -179,7 +179,9 @@ def input_files(inputs: list[str]) -> list[dict[str, Any]]:
         if os.path.isfile(spec):
             paths = [spec]
         elif os.path.isdir(spec):
-            paths = sorted(str(p) for p in Path(spec).rglob("*") if p.is_file())
+            # hidden files and datasets' cache files are not the data: tools write them as they read
+            paths = sorted(str(p) for p in Path(spec).rglob("*") if p.is_file() and not p.name.startswith("cache-")
+                           and not any(part.startswith(".") for part in p.relative_to(spec).parts))
         else:
             continue
         for path in paths:

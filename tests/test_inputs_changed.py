@@ -69,3 +69,22 @@ def test_moved_inputs_are_the_same_a_removed_one_is_named(tmp_path):
                            quiet=True, max_samples=6)
     r = ex.run_extract(cfg, transport=httpx.MockTransport(FakeHsx()))
     assert r.exit_code == 2 and f"{inputs} is gone" in r.summary["message"] and f"{other} is new" in r.summary["message"]
+
+
+def test_a_dataset_directory_counts_its_data_files_only(tmp_path):
+    """Files a reader may write beside the data (hidden ones, datasets' cache-*.arrow) are
+    not the input: they would make every rerun look changed."""
+    from hsx_client.plan import changed_inputs, input_files
+
+    d = tmp_path / "ds"
+    (d / "train").mkdir(parents=True)
+    (d / "train" / "data-00000.arrow").write_bytes(b"rows")
+    before = input_files([str(d)])
+    assert [Path(f["path"]).name for f in before] == ["data-00000.arrow"]
+    (d / ".cache").mkdir()
+    (d / ".cache" / "lock").write_text("x")
+    (d / "train" / "cache-123.arrow").write_bytes(b"mapped")
+    assert changed_inputs(before, input_files([str(d)])) == []
+    (d / "train" / "data-00000.arrow").write_bytes(b"rowz")
+    assert changed_inputs(before, input_files([str(d)])) == [f"{d / 'train' / 'data-00000.arrow'} changed: same size "
+                                                              "(4 bytes), other content"]
