@@ -303,14 +303,19 @@ class Extractor:
         done = store.latest_by_index(manifest.entries)
         compacted = (out / store.COMPACTION_JOURNAL).exists()
         if compacted:
-            planning.refuse_changes_after_compaction(out, cfg.verify, cfg.retry_failed)
-        redo = 0 if compacted else planning.invalidate_from_verify(out, manifest, done)
+            planning.refuse_changes_after_compaction(out, cfg.retry_failed)
+        # A renumbered corpus's bad samples are redone too: under their plan index (the
+        # manifest's), from where finalize's journal moves them to their place again.
+        redo = planning.invalidate_from_verify(out, manifest, done)
         if cfg.verify:
             bad = verify_samples(out, fmt, keys, done, quiet=cfg.quiet)
             redo += planning.invalidate(manifest, done, bad)
         redo += planning.drop_broken(out, keys, done, check_sizes=not compacted)
         failed = planning.failed_for_good(out, len(keys), done)
-        if not compacted:
+        if compacted:  # the failed set is fixed; a repair whose request failed on the way is retried
+            repairs = planning.repairing(store.read_jsonl(out / store.MANIFEST_NAME)[0], done)
+            failed = {i: e for i, e in failed.items() if not (i in repairs and e.get("kind") in planning.RETRIED_KINDS)}
+        else:
             failed = {i: e for i, e in failed.items()
                       if not ((cfg.retry_failed and e.get("kind") != planning.DROPPED)
                               or e.get("kind") in planning.RETRIED_KINDS)}
@@ -375,6 +380,11 @@ class Extractor:
                 summary.update(status="error", message=(
                     f"finalize failed: {exc.strerror or exc}{': ' + exc.filename if exc.filename else ''}; "
                     "every stored sample is kept: fix it, then rerun the same command to finish"))
+                return ExtractResult(EXIT_ERROR, "error", summary)
+            except ValueError as exc:  # the format's CorpusFormatError: e.g. a repair that changed the sample set
+                summary.update(status="error", message=(
+                    f"finalize failed: {exc}; every stored sample is kept (see {out / store.FAILED_NAME} for samples "
+                    "that failed), rerun the same command to retry"))
                 return ExtractResult(EXIT_ERROR, "error", summary)
             summary.update(status="complete", corpus=str(out / store.CORPUS_NAME),
                            tokens=corpus["counts"]["tokens"], finalize_s=round(time.monotonic() - t, 3))

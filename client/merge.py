@@ -6,7 +6,10 @@ then shard 1's, ...; each shard's in its plan order, failed samples left out), r
 0..m-1 (`hs_{i}` / `data_{i}.ckpt`), with one table, token_freq.pt and the vocab mappings
 rebuilt by the format's own `finalize` over all of them, a manifest whose lines carry the
 shards' records and checksums, and hsx_corpus.json listing every shard. Without failures
-it is, row for row, the corpus one client would have written from the same plan.
+it is, row for row, the corpus one client would have written from the same plan. What each
+shard says about its own samples (counts, the indices it dropped or failed) is combined,
+not compared: dropped and failed samples are listed by key per shard and by their index in
+the global plan (they have none in the merged numbering, which holds stored samples only).
 
 Steps (OUT locked; every step can be killed and rerun):
  1. read and check the shards (`merge_check`): anything that disagrees is refused, exit 2;
@@ -19,7 +22,9 @@ Steps (OUT locked; every step can be killed and rerun):
     A rerun skips the samples with a manifest line and redoes the rest (a link already in
     place is kept). Across filesystems (EXDEV), or where links are refused, a file is
     copied instead: to a temporary name, checksummed against the shard's manifest while
-    copying, fsync'ed, renamed;
+    copying, fsync'ed, renamed. A speculators file from a client that still wrote its
+    sample index into the file's metadata is copied the same way with that entry left out
+    (its new checksum in the manifest): in OUT it sits at another index;
  4. the format's finalize (table, vocab files, hsx_format.json; itself rerunnable);
  5. hsx_corpus.json, written last: its presence marks a finished merge.
 
@@ -45,6 +50,7 @@ import hashlib
 import json
 import os
 import signal
+import struct
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +64,7 @@ from hsx import __version__ as hsx_version
 from . import store
 from .formats import CorpusContext, format_options, get_format
 from .merge_check import PER_SHARD_CORPUS_FIELDS, MergeRefused, Shard, load_all
-from .plan import PLAN_VERSION
+from .plan import PLAN_VERSION, split_dropped
 from .provenance import files_digest
 from .verify import renumbered_path
 
@@ -104,6 +110,16 @@ def _fault(point: str, n: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------- plan
+def not_stored(sh: Shard) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """(failed, dropped) samples of a shard, by its own index."""
+    return split_dropped(sh.failed)
+
+
+def global_index(sh: Shard, i: int) -> int:
+    """A shard's sample index in the global plan (shards are contiguous slices of it)."""
+    return int(sh.section["start"]) + i
+
+
 def plan_rows(shards: list[Shard]) -> list[Row]:
     rows: list[Row] = []
     for sh in shards:
@@ -130,8 +146,8 @@ def merge_section(shards: list[Shard]) -> dict[str, Any]:
 
 def merged_plan(shards: list[Shard], rows: list[Row]) -> dict[str, Any]:
     p0 = shards[0].plan
-    plan = {k: p0.get(k) for k in ("settings", "inputs", "inputs_sha256", "num_input_samples", "bad_rows",
-                                   "model", "model_revision")}
+    plan = {k: p0.get(k) for k in ("settings", "inputs", "inputs_sha256", "input_files", "num_input_samples",
+                                   "bad_rows", "model", "model_revision")}
     plan.update(version=PLAN_VERSION, created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 keys=[r.key for r in rows], merge=merge_section(shards))
     return plan
@@ -145,20 +161,83 @@ def _dst_files(fmt: Any, row: Row) -> list[tuple[str, str, dict[str, Any]]]:
         if renumbered_path(fmt, rel, row.source, row.source + 1) == rel:
             raise MergeRefused([f"{row.shard.name}: sample {row.source} has a file {rel} that is not a per-sample "
                                 f"path of the {fmt.name} format; it cannot be renumbered"])
-        out.append((renumbered_path(fmt, rel, row.source, now), renumbered_path(fmt, rel, row.source, row.index), meta))
+        src = renumbered_path(fmt, rel, row.source, now)
+        try:  # a per-sample name, but maybe a symlink out of the shard: never link that in
+            store.inside(row.shard.path, src)
+        except store.UnsafePathError as exc:
+            raise MergeRefused([f"{row.shard.name}: sample {row.source}'s file {exc}"]) from None
+        out.append((src, renumbered_path(fmt, rel, row.source, row.index), meta))
     return out
 
 
 # ---------------------------------------------------------------- files
+def legacy_index_header(path: Path) -> tuple[int, bytes] | None:
+    """(old header length, the header without its "index") of a speculators sample file
+    written before files stopped naming their sample index, else None. Such a file is
+    rewritten, not linked: in the merged corpus it sits at another index than the one
+    it names."""
+    if path.suffix != ".safetensors":
+        return None
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return None
+        n = struct.unpack("<Q", head)[0]
+        if n > 1 << 24:
+            return None
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or "index" not in meta:
+        return None
+    header["__metadata__"] = {k: v for k, v in meta.items() if k != "index"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # the data stays 8-byte aligned, as safetensors writes it
+    return 8 + n, struct.pack("<Q", len(raw)) + raw
+
+
+def rewrite_without_index(src: Path, dst: Path, old_len: int, header: bytes, expected: tuple[str, str] | None,
+                          chunk: int = 8 << 20) -> dict[str, Any]:
+    """`dst` = `header` + `src`'s tensor bytes, atomically; `src` is checked against its
+    recorded checksum on the way. Returns the new file's manifest meta."""
+    old_hash = store.new_hash(expected[0] if expected else store.HASH_ALGO)
+    new_hash = store.new_hash()
+    size = 0
+
+    def write(tmp: Path) -> None:
+        nonlocal size
+        with open(src, "rb") as fi, open(tmp, "xb") as fo:
+            old_hash.update(fi.read(old_len))
+            fo.write(header)
+            new_hash.update(header)
+            size = len(header)
+            while block := fi.read(chunk):
+                old_hash.update(block)
+                new_hash.update(block)
+                fo.write(block)
+                size += len(block)
+            fo.flush()
+            os.fsync(fo.fileno())
+        if expected is not None and old_hash.hexdigest() != expected[1]:
+            raise store.ChecksumError(f"{src}: {expected[0]} differs from the recorded one (the file is corrupted)")
+
+    store._replace_via_tmp(Path(dst), write)
+    return {"size": size, store.HASH_ALGO: new_hash.hexdigest()}
+
+
 class Placer:
     """Puts a shard's file at its new name: a hard link, else a checksummed copy."""
 
     def __init__(self) -> None:
         self.links = 0
         self.copies = 0
+        self.rewrites = 0
         self._no_link: set[int] = set()  # st_dev of shards that cannot link into OUT
 
-    def place(self, src: Path, dst: Path, meta: dict[str, Any]) -> None:
+    def place(self, src: Path, dst: Path, meta: dict[str, Any]) -> dict[str, Any]:
+        """Puts the file in place; returns its manifest meta in OUT (the shard's, unless rewritten)."""
         try:
             st = os.stat(src)
         except FileNotFoundError:
@@ -169,25 +248,31 @@ class Placer:
         try:
             if os.path.samestat(st, os.stat(dst)):  # linked by an earlier, interrupted run
                 self.links += 1
-                return
+                return meta
             os.unlink(dst)  # a copy whose manifest line was never written: redo it
         except FileNotFoundError:
             pass
         dst.parent.mkdir(parents=True, exist_ok=True)
-        if st.st_dev not in self._no_link:
-            try:
-                os.link(src, dst)
-                self.links += 1
-                return
-            except OSError as exc:
-                if exc.errno not in _NO_LINK:
-                    raise
-                self._no_link.add(st.st_dev)
+        legacy = legacy_index_header(src)
         try:
+            if legacy is not None:
+                new_meta = rewrite_without_index(src, dst, *legacy, store.recorded_digest(meta))
+                self.rewrites += 1
+                return new_meta
+            if st.st_dev not in self._no_link:
+                try:
+                    os.link(src, dst)
+                    self.links += 1
+                    return meta
+                except OSError as exc:
+                    if exc.errno not in _NO_LINK:
+                        raise
+                    self._no_link.add(st.st_dev)
             store.copy_file_atomic(src, dst, expected=store.recorded_digest(meta))
         except store.ChecksumError as exc:
             raise MergeError(f"{exc}: run `hsx verify` on the shard and rerun its hsx extract") from None
         self.copies += 1
+        return meta
 
 
 # ---------------------------------------------------------------- the run
@@ -295,8 +380,7 @@ class Merger:
         def one(row: Row) -> dict[str, Any]:
             files = {}
             for src_rel, dst_rel, meta in placements[row.index]:
-                self.placer.place(row.shard.path / src_rel, self.out / dst_rel, meta)
-                files[dst_rel] = meta
+                files[dst_rel] = self.placer.place(row.shard.path / src_rel, self.out / dst_rel, meta)
             return {**{k: v for k, v in row.entry.items() if k not in ("index", "files")},
                     "index": row.index, "files": files, "shard": row.shard.index, "shard_index": row.source}
 
@@ -342,26 +426,35 @@ class Merger:
                 if v not in versions[k]:
                     versions[k].append(v)
         merge = dict(plan["merge"])
+        # Per-shard facts are combined, not compared (merge_check): each shard's failed and
+        # dropped samples by key, and all of them by their index in the global plan (the
+        # merged corpus's own numbering holds only stored samples: they have none there).
         merge["shards"] = [
             {**s, "created_at": sh.corpus.get("created_at"), "tokens": sh.corpus.get("counts", {}).get("tokens"),
              "versions": sh.corpus.get("versions"),
-             "failed_keys": [sh.plan["keys"][i] for i in sorted(sh.failed)]}
+             "failed_keys": [sh.plan["keys"][i] for i in sorted(not_stored(sh)[0])],
+             "dropped_keys": [sh.plan["keys"][i] for i in sorted(not_stored(sh)[1])]}
             for s, sh in zip(plan["merge"]["shards"], shards)
         ]
+        merge["global_failed_indices"] = sorted(global_index(sh, i) for sh in shards for i in not_stored(sh)[0])
+        merge["global_dropped_indices"] = sorted(global_index(sh, i) for sh in shards for i in not_stored(sh)[1])
         corpus.update(
             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             inputs=c0.get("inputs"),
             versions={k: v[0] if len(v) == 1 else v for k, v in versions.items()} | {"hsx_merge": hsx_version},
             merge=merge,
             counts={
-                "planned": len(done), "done": len(done), "failed": 0,
+                "planned": len(done), "done": len(done), "failed": 0, "dropped": 0,
+                "truncated": sum(1 for e in done.values() if e.get("truncated_from")),
                 "bad_rows": c0.get("counts", {}).get("bad_rows"),
                 "input_samples": c0.get("counts", {}).get("input_samples"),
                 "tokens": sum(int(e.get("tokens", 0)) for e in done.values()),
                 "global_planned": plan["merge"]["global_samples"],
-                "global_failed": sum(len(sh.failed) for sh in shards),
+                "global_failed": len(merge["global_failed_indices"]),
+                "global_dropped": len(merge["global_dropped_indices"]),
             },
             failed_indices=[],
+            dropped_indices=[],
             finalize_files=files_digest(self.out, written),
         )
         return corpus
@@ -370,7 +463,9 @@ class Merger:
         s = {
             "output": str(self.out), "shards": len(shards), "samples": corpus["counts"]["done"],
             "tokens": corpus["counts"]["tokens"], "failed_in_shards": corpus["counts"].get("global_failed", 0),
-            "linked": self.placer.links, "copied": self.placer.copies, "corpus": str(self.out / store.CORPUS_NAME),
+            "dropped_in_shards": corpus["counts"].get("global_dropped", 0),
+            "linked": self.placer.links, "copied": self.placer.copies, "rewritten": self.placer.rewrites,
+            "corpus": str(self.out / store.CORPUS_NAME),
         }
         if message:
             s["message"] = message
@@ -410,8 +505,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hsx merge: {s['message']}", file=sys.stderr)
     else:
         print(f"hsx merge: {s['shards']} shards -> {s['samples']} samples, {s['tokens']} tokens in {s['output']} "
-              f"({s['linked']} files linked, {s['copied']} copied, {s['seconds']} s)"
+              f"({s['linked']} files linked, {s['copied']} copied"
+              + (f", {s['rewritten']} rewritten without their shard's index" if s.get("rewritten") else "")
+              + f", {s['seconds']} s)"
               + (f"; {s['failed_in_shards']} sample(s) had failed in their shards" if s["failed_in_shards"] else "")
+              + (f"; {s['dropped_in_shards']} sample(s) were dropped in their shards (no supervised token)"
+                 if s.get("dropped_in_shards") else "")
               + (f"; {s['message']}" if s.get("message") else ""), file=sys.stderr)
     if args.json:
         print(json.dumps({**s, "status": result.status, "exit_code": result.exit_code}, indent=1, default=str))

@@ -25,9 +25,13 @@ from .formats import FORMAT_FILE
 from .plan import ConfigError, failed_for_good, load_plan
 from .verify import compaction_moves
 
-# hsx_corpus.json fields that describe one shard's run rather than the corpus settings.
+# hsx_corpus.json fields that describe one shard's run rather than the corpus settings:
+# facts about its own samples (counts, the indices it failed or dropped, in its own
+# numbering) are combined by the merge (hsx_client.merge), never compared. A shard that
+# dropped a sample (no supervised token after truncation) differs from the others there
+# as a matter of course.
 PER_SHARD_CORPUS_FIELDS = frozenset(
-    {"created_at", "counts", "failed_indices", "finalize_files", "inputs", "versions", "shard"}
+    {"created_at", "counts", "failed_indices", "dropped_indices", "finalize_files", "inputs", "versions", "shard"}
 )
 # hsx_format.json fields that are counts of one shard's samples.
 PER_SHARD_FORMAT_FIELDS = frozenset({"compacted_moves", "compaction_journal", "orphans_quarantined"})

@@ -170,6 +170,50 @@ def inputs_fingerprint(samples: list[Any]) -> str:
     return h.hexdigest()
 
 
+def input_files(inputs: list[str]) -> list[dict[str, Any]]:
+    """Size and checksum of every local file the inputs name (a directory's files, sorted;
+    `hf:` datasets have none). The plan keeps them, and every later run on the dir compares
+    them: the samples' fingerprint alone misses an edit of a field no request uses."""
+    files: list[dict[str, Any]] = []
+    for spec in inputs:
+        if os.path.isfile(spec):
+            paths = [spec]
+        elif os.path.isdir(spec):
+            # hidden files and datasets' cache files are not the data: tools write them as they read
+            paths = sorted(str(p) for p in Path(spec).rglob("*") if p.is_file() and not p.name.startswith("cache-")
+                           and not any(part.startswith(".") for part in p.relative_to(spec).parts))
+        else:
+            continue
+        for path in paths:
+            size, digest = store.hash_file(Path(path))
+            files.append({"path": os.path.abspath(path), "size": size, store.HASH_ALGO: digest})
+    return files
+
+
+def changed_inputs(recorded: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[str]:
+    """One line per input file that is not as the plan recorded it; none when the same
+    contents are read from other paths (a volume mounted elsewhere on resume)."""
+    def contents(files: list[dict[str, Any]]) -> list[tuple[int, Any]]:
+        return sorted((f["size"], store.recorded_digest(f)) for f in files)
+
+    if contents(recorded) == contents(now):
+        return []
+    was = {f["path"]: f for f in recorded}
+    cur = {f["path"]: f for f in now}
+    lines = []
+    for path in sorted(set(was) | set(cur)):
+        a, b = was.get(path), cur.get(path)
+        if b is None:
+            lines.append(f"{path} is gone (the plan read {a['size']} bytes from it)")
+        elif a is None:
+            lines.append(f"{path} is new (not among the plan's inputs)")
+        elif a["size"] != b["size"]:
+            lines.append(f"{path} changed: {a['size']} bytes when planned, {b['size']} now")
+        elif store.recorded_digest(a) != store.recorded_digest(b):
+            lines.append(f"{path} changed: same size ({b['size']} bytes), other content")
+    return lines
+
+
 def normalize_input(path: str) -> str:
     return os.path.abspath(path) if os.path.exists(path) else path
 
@@ -257,6 +301,7 @@ def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info
         "settings": settings,
         "inputs": inputs,
         "inputs_sha256": samples.fingerprint,
+        "input_files": input_files(inputs),
         "num_input_samples": samples.count,
         "bad_rows": samples.bad_rows,
         "bad_row_kinds": dict(bad_row_counts(samples.bad)),
@@ -272,10 +317,20 @@ def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info
 def check_resumable(plan: dict[str, Any], inputs: list[str], samples: Samples, info: dict[str, Any],
                     layers: list[int], out: Path, shard: ShardSpec | None = None) -> None:
     problems = []
-    if plan.get("inputs_sha256") != samples.fingerprint:
+    changed = changed_inputs(plan["input_files"], input_files(inputs)) if "input_files" in plan else []
+    if changed:  # checked on every run, a finished corpus too: it was made from the files as they were
+        same = plan.get("inputs_sha256") == samples.fingerprint
+        problems += [f"input {line}" for line in changed]
+        problems.append(
+            ("the samples read from them are still the plan's (only fields no request uses changed), but "
+             if same else f"the samples read from them differ from the plan's ({plan.get('num_input_samples')} "
+                          f"then, {samples.count} now); ")
+            + "the corpus was made from the files as they were: restore them, or extract into a new --output"
+        )
+    elif plan.get("inputs_sha256") != samples.fingerprint:
         problems.append(
             f"the inputs differ from the plan's ({plan.get('num_input_samples')} samples from "
-            f"{plan.get('inputs')}, now {samples.count} from {inputs})"
+            f"{plan.get('inputs')}, now {samples.count} from {inputs}); restore them, or extract into a new --output"
         )
     for k in ("model", "model_revision"):
         if plan.get(k) != info.get(k):
@@ -359,20 +414,21 @@ def split_dropped(failed: dict[int, dict[str, Any]]) -> tuple[dict[int, dict[str
     return {i: e for i, e in failed.items() if i not in dropped}, dropped
 
 
-def refuse_changes_after_compaction(out: Path, verify: bool, retry_failed: bool) -> None:
-    """finalize renumbered the samples (a format without holes): the corpus takes no more
-    samples; only an interrupted finalize is finished."""
-    for flag, given in (("--verify", verify), ("--retry-failed", retry_failed)):
-        if given:
-            raise ConfigError(
-                f"{out} was finalized with renumbering ({store.COMPACTION_JOURNAL}); {flag} cannot "
-                "change it: extract into a new --output"
-            )
-    if (out / store.VERIFY_NAME).exists():
+def refuse_changes_after_compaction(out: Path, retry_failed: bool) -> None:
+    """finalize renumbered the samples (a format without holes): the set of stored samples
+    is fixed, so failed samples cannot be added any more. Bad samples (`hsx verify`,
+    `--verify`) are still redone in place: each is extracted again under its plan index,
+    and the rerun finalize moves it to its renumbered place as the journal says."""
+    if retry_failed:
         raise ConfigError(
-            f"{out} was finalized with renumbering ({store.COMPACTION_JOURNAL}) and hsx verify found bad "
-            "samples; they cannot be redone in place: extract into a new --output"
+            f"{out} was finalized with renumbering ({store.COMPACTION_JOURNAL}); --retry-failed would add "
+            "samples and renumber it again: extract into a new --output"
         )
+
+
+def repairing(entries: Iterable[dict[str, Any]], done: dict[int, dict[str, Any]]) -> set[int]:
+    """Indices invalidated (verify found them bad) and not stored again since."""
+    return {int(e["index"]) for e in entries if e.get("invalid") and "index" in e} - set(done)
 
 
 def invalidate(manifest: store.JsonlLog, done: dict[int, dict[str, Any]], bad: Iterable[dict[str, Any]]) -> int:
@@ -409,6 +465,10 @@ def drop_broken(out: Path, keys: list[str], done: dict[int, dict[str, Any]], che
     for i, e in list(done.items()):
         if i >= len(keys) or e.get("key") != keys[i]:
             raise ConfigError(f"manifest line for index {i} does not match the plan (key {e.get('key')!r})")
+        outside = store.unsafe_paths(out, e)
+        if outside:  # an edited manifest: never read, replace or link a file elsewhere
+            raise ConfigError(f"manifest line for index {i} names a file outside {out}: {outside[0]}; restore "
+                              f"{store.MANIFEST_NAME} or extract into a new --output")
         if check_sizes and store.check_sizes(out, e):
             del done[i]
             redo += 1

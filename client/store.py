@@ -231,6 +231,36 @@ def safe_join(root: Path, rel: str, *, reserved_ok: bool = False) -> Path:
     return root / p
 
 
+class UnsafePathError(StoreError):
+    """A recorded path that would lead outside the corpus directory."""
+
+
+def inside(root: Path, rel: str) -> Path:
+    """`root / rel` for a path a corpus records (a manifest's file, a finalize output),
+    refused (UnsafePathError) when it is absolute, climbs out with `..`, or resolves
+    outside `root` through a symlink: a tampered record must not make a reader (verify,
+    merge, resume) open or link a file elsewhere."""
+    p = Path(rel)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise UnsafePathError(f"{rel!r} is not a path inside the corpus")
+    full = Path(root) / p
+    real_root, real = os.path.realpath(root), os.path.realpath(full)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise UnsafePathError(f"{rel!r} leads outside the corpus (to {real}, through a symlink)")
+    return full
+
+
+def unsafe_paths(root: Path, entry: dict[str, Any]) -> list[str]:
+    """Why the files a manifest line names are not all inside `root` (empty: they are)."""
+    problems = []
+    for rel in entry.get("files", {}):
+        try:
+            inside(root, rel)
+        except UnsafePathError as exc:
+            problems.append(str(exc))
+    return problems
+
+
 def hash_file(path: Path, chunk: int = 8 << 20, algo: str = HASH_ALGO) -> tuple[int, str]:
     """(size, hex digest) of a file on disk."""
     h = new_hash(algo)
@@ -486,7 +516,9 @@ def latest_by_index(entries: Iterable[dict[str, Any]]) -> dict[int, dict[str, An
 
 def check_sizes(root: Path, entry: dict[str, Any]) -> list[str]:
     """Cheap check at resume: every recorded file exists with its recorded size."""
-    problems = []
+    problems = unsafe_paths(root, entry)
+    if problems:
+        return problems
     for rel, meta in entry.get("files", {}).items():
         try:
             size = os.stat(Path(root) / rel).st_size
@@ -500,7 +532,9 @@ def check_sizes(root: Path, entry: dict[str, Any]) -> list[str]:
 
 def check_checksums(root: Path, entry: dict[str, Any]) -> list[str]:
     """Full check (verify): size and checksum of every recorded file."""
-    problems = []
+    problems = unsafe_paths(root, entry)
+    if problems:
+        return problems
     for rel, meta in entry.get("files", {}).items():
         algo, want = recorded_digest(meta) or (HASH_ALGO, None)
         try:

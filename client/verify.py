@@ -7,7 +7,10 @@ Samples a format renumbered in finalize (speculators compacts failed indices awa
 `hsx_compaction.json`) are checked under their new index, or under the old one while
 the compaction is unfinished (a crash between the journal and the last rename: the
 sample is intact under its old name, and the next `hsx extract` finishes the moves).
-Verify never calls such a sample bad or missing, so it never strands the corpus.
+Verify never calls such a sample bad or missing, so it never strands the corpus; a bad
+sample of a renumbered corpus is redone by the next `hsx extract` under its manifest index
+and moved back into place by its finalize. A recorded path that is absolute or leads out of
+the corpus (`..`, a symlink) is a problem of its sample, never opened (store.inside).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ def verify_samples(
             e = dict(e, files={renumbered_path(fmt, rel, i, now): m for rel, m in e.get("files", {}).items()})
         elif now != i:  # the compaction stopped before this move: check it where it still is
             now = i
-        problems += store.check_checksums(out, e)
+        problems += store.check_checksums(out, e)  # refuses a recorded path outside the corpus
+        problems += _format_paths_outside(fmt, out, now)
         if not problems:
             try:
                 problems += list(fmt.verify_sample(out, now, e.get("record", {})) or [])
@@ -71,6 +75,19 @@ def verify_samples(
     if bar is not None:
         bar.close()
     return bad
+
+
+def _format_paths_outside(fmt: Any, out: Path, index: int) -> list[str]:
+    """The format reads sample `index` from its own path: not through a symlink out."""
+    problems = []
+    for attr in ("hs_path", "ckpt_path"):
+        fn = getattr(fmt, attr, None)
+        if fn is not None:
+            try:
+                store.inside(out, fn(index))
+            except store.UnsafePathError as exc:
+                problems.append(str(exc))
+    return problems
 
 
 def compaction_moves(out: Path) -> dict[int, int]:
@@ -145,7 +162,10 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
             for rel, meta in (corpus.get("finalize_files") or {}).items():
                 algo, want = store.recorded_digest(meta) or (store.HASH_ALGO, None)
                 try:
-                    size, digest = store.hash_file(out / rel, algo=algo)
+                    size, digest = store.hash_file(store.inside(out, rel), algo=algo)
+                except store.UnsafePathError as exc:
+                    problems.append(f"{store.CORPUS_NAME} names a finalize output {exc}")
+                    continue
                 except FileNotFoundError:
                     problems.append(f"finalize output {rel} is missing")
                     continue

@@ -409,6 +409,70 @@ def test_slurm_merge_task_names_every_shard(slurm_env, tmp_path):
     assert args.out == corpus / "merged" and args.shards == [corpus / "shards" / f"shard-{i}" for i in range(3)]
 
 
+FAKE_NODE_HSX = r"""#!/usr/bin/env bash
+# One node of the walkthrough on this host: `hsx serve` stands in for the node's server (the
+# test's real one is at $REAL_SERVER) and runs until SIGTERM; extract and merge are the real
+# `hsx`, extract pointed at the real server.
+case "$1" in
+    serve)
+        trap 'exit 0' TERM
+        touch "$HSX_LOG.up"
+        while true; do sleep 0.05; done ;;
+    extract)
+        shift
+        args=()
+        while [ $# -gt 0 ]; do
+            if [ "$1" = --server ]; then args+=(--server "$REAL_SERVER"); shift 2; else args+=("$1"); shift; fi
+        done
+        exec "$HSX_PYTHON" -m hsx.cli extract "${args[@]}" ;;
+    merge) shift; exec "$HSX_PYTHON" -m hsx.cli merge "$@" ;;
+esac
+"""
+
+
+@pytest.mark.engine
+@pytest.mark.fixtures
+@pytest.mark.slow
+def test_slurm_walkthrough_with_real_shards_that_drop_samples(e2e_pool, tmp_path):
+    """submit.sh's files run for real (sbatch faked): three array tasks extract their shards
+    of the OASST fixture with the real client against a real server, at a max length that
+    drops samples in every shard (issue 25 item 1: the merge refused such shards), then
+    merge.sbatch's `hsx merge` makes one verified corpus of them."""
+    import json
+    import sys
+
+    from _e2e_helpers import assert_verify_ok, cli_env
+    from _server import CHAT
+
+    (server,) = e2e_pool.get(1)
+    env = fake_commands(tmp_path, {"sbatch": FAKE_SBATCH, "hsx": FAKE_NODE_HSX, "curl": FAKE_CURL})
+    env = {k: v for k, v in env.items() if not k.startswith(("HSX_", "SLURM_"))}
+    env.update({k: v for k, v in cli_env().items() if k.startswith("VLLM_")}, REAL_SERVER=server.url,
+               HSX_PYTHON=sys.executable, SBATCH_LOG=str(tmp_path / "sbatch.log"), HSX_LOG=str(tmp_path / "hsx.log"),
+               CURL_COUNT=str(tmp_path / "curl.count"), HSX_READY_POLL="0", HSX_MODEL="stories260K")
+    corpus = tmp_path / "corpus"
+    flags = ["--input", str(CHAT / "oasst" / "threads.messages.jsonl"), "--format", "speculators",
+             "--max-length", "500", "--max-samples", "24", "--seed", "3"]
+    r = subprocess.run([str(SLURM / "submit.sh"), "-n", "3", "-o", str(corpus), "--", *flags], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    dropped = 0
+    for task in range(3):  # what Slurm runs for the array, one task after the other here
+        (tmp_path / "curl.count").unlink(missing_ok=True)
+        r = subprocess.run(["bash", str(SLURM / "extract.sbatch")], capture_output=True, text=True, timeout=400,
+                           env={**env, "HSX_CORPUS": str(corpus), "SLURM_ARRAY_TASK_ID": str(task), "HSX_NUM_SHARDS": "3"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        summary = json.loads(r.stdout)
+        assert summary["status"] == "complete" and summary["dropped"] > 0, summary
+        dropped += summary["dropped"]
+    r = subprocess.run(["bash", str(SLURM / "merge.sbatch")], env={**env, "HSX_CORPUS": str(corpus)},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    merged = json.loads(r.stdout)
+    assert merged["shards"] == 3 and merged["samples"] == 24 - dropped and merged["dropped_in_shards"] == dropped
+    assert_verify_ok(corpus / "merged")
+
+
 # --------------------------------------------------------------------------- docs
 def test_runbook_covers_the_sharded_run():
     text = DOCS.read_text()

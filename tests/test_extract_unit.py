@@ -311,7 +311,7 @@ def test_settings_mismatch_refused(tmp_path, data):
     assert "--seed" in r.summary["message"] and "--max-length" in r.summary["message"]
     data.write_text(data.read_text() + json.dumps({"input_ids": [1, 2]}) + "\n")
     r = run(cfg_for(data, out), fmt, srv)
-    assert r.exit_code == 2 and "inputs differ" in r.summary["message"]
+    assert r.exit_code == 2 and f"input {data} changed" in r.summary["message"]
 
 
 def test_verify_finds_corruption_and_resume_redoes_exactly_those(tmp_path, data):

@@ -74,6 +74,20 @@ def vocab_files(out: Path) -> dict[str, bytes]:
     return {n: (out / n).read_bytes() for n in names if (out / n).exists()}
 
 
+def assert_files_say_only_true_things(out: Path) -> None:
+    """Issue 25 item 3: a sample file's own metadata holds nothing that its position in
+    this corpus contradicts (a hard-linked file is at another index in each corpus)."""
+    from safetensors import safe_open
+
+    files = sorted(out.glob("hidden_states/hs_*.safetensors")) + sorted(out.glob("token_ids/ids_*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            meta = st.metadata() or {}
+        position = f.stem.rpartition("_")[2]
+        assert meta.get("index", position) == position, (f, meta)
+        assert set(meta) <= {"format", "layer_ids", "index"}, (f, meta)  # nothing else shard-local
+
+
 def make_shards(tmp: Path, inputs: Path, count: int, fmt: str = "speculators", name: str = "s", **kw) -> list[Path]:
     dirs = []
     for i in range(count):
@@ -138,7 +152,7 @@ def test_merge_equals_a_single_client_run(tmp_path, inputs, fmt, capsys):
 def test_fp8_and_token_table_shards_merge_as_their_variant(tmp_path, inputs, variant):
     """`--dtype fp8` / `--states none` shards: the merge uses the format's own variant (its
     per-sample files, its finalize), and the result holds one client's corpus: the same
-    tensors in every sample file (hard links: their header names the shard's index), the
+    tensors in every sample file (hard links: the same bytes, no index inside), the
     same table and vocab files."""
     from safetensors.torch import load_file
 
@@ -161,6 +175,7 @@ def test_fp8_and_token_table_shards_merge_as_their_variant(tmp_path, inputs, var
     corpus = json.loads((out / "hsx_corpus.json").read_text())
     assert (corpus["states"], corpus["states_dtype"]) == (variant.get("states", "all"), variant.get("dtype", "auto"))
     assert verify_corpus(out)["ok"]
+    assert_files_say_only_true_things(out)
 
 
 def test_failed_samples_are_left_out_and_listed(tmp_path, inputs):
@@ -182,6 +197,40 @@ def test_failed_samples_are_left_out_and_listed(tmp_path, inputs):
     whole = {**samples_by_key(shards[0]), **samples_by_key(shards[1])}
     assert_same_samples(merged, whole)
     assert verify_corpus(out)["ok"]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_shards_that_dropped_samples_merge_like_one_client(tmp_path, inputs, fmt):
+    """Issue 25 item 1: every shard drops samples (no supervised token left after right
+    truncation), each at its own indices; the shards' dropped_indices are combined, not
+    compared, and the merge is the single client's corpus, drops listed by global index."""
+    settings = dict(seed=5, max_samples=20, max_length=10, truncation="right")
+    single = tmp_path / "single"
+    extract(single, inputs, fmt=fmt, mask_policy=FORMATS[fmt], **settings)
+    ref = json.loads((single / "hsx_corpus.json").read_text())
+    shards = make_shards(tmp_path, inputs, 3, fmt, **settings)
+    per_shard = [json.loads((s / "hsx_corpus.json").read_text())["dropped_indices"] for s in shards]
+    assert all(per_shard) and len({tuple(d) for d in per_shard}) == 3, per_shard  # each drops, each its own
+    out = tmp_path / "merged"
+    r = run_merge(out, shards)
+    assert r.exit_code == 0, r.summary
+    corpus = json.loads((out / "hsx_corpus.json").read_text())
+    assert corpus["merge"]["global_dropped_indices"] == ref["dropped_indices"]
+    assert corpus["counts"]["global_dropped"] == ref["counts"]["dropped"] and corpus["counts"]["global_failed"] == 0
+    assert corpus["counts"]["done"] == ref["counts"]["done"] == 20 - len(ref["dropped_indices"])
+    assert corpus["counts"]["truncated"] == ref["counts"]["truncated"]  # (the fake server does not say)
+    plan_keys = json.loads((single / "plan.json").read_text())["keys"]
+    assert [k for s in corpus["merge"]["shards"] for k in s["dropped_keys"]] == \
+        [plan_keys[i] for i in ref["dropped_indices"]]
+    assert_same_samples(samples_by_key(out), samples_by_key(single))
+    got, want = vocab_files(out), vocab_files(single)
+    renumbering = ("compacted_moves", "compaction_journal")  # the single corpus compacted its drops away
+    assert {k: v for k, v in json.loads(got.pop("hsx_format.json")).items() if k not in renumbering} == \
+        {k: v for k, v in json.loads(want.pop("hsx_format.json")).items() if k not in renumbering}
+    assert got == want
+    assert verify_corpus(out)["ok"]
+    for corpus_dir in (out, single, *shards):
+        assert_files_say_only_true_things(corpus_dir)
 
 
 def test_copies_across_filesystems_with_checksums(tmp_path, inputs):
@@ -350,3 +399,90 @@ def test_cli_refusal_is_one_line_per_problem_and_exit_2(tmp_path, pair, capsys):
     assert merge_main([str(tmp_path / "out"), str(pair[0])]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["hsx merge: shard(s) 1 of 2 are missing (given: 0)"]
+
+
+# ----------------------------------------------------------------------------- real data, real engine
+OASST_MAX_LENGTH = 500  # right truncation at 500 tokens leaves about a quarter of the OASST rows nothing to train on
+
+
+@pytest.mark.engine
+@pytest.mark.fixtures
+@pytest.mark.slow
+def test_real_shards_that_drop_samples_merge(e2e_pool, tmp_path):
+    """Issue 25 item 1 as found: `hsx extract --max-length 500 --shard I/3` over the OASST
+    fixture (default right truncation), each shard dropping its own samples, then
+    `hsx merge mrg sh0 sh1 sh2`: merged (was refused on dropped_indices), verified, and
+    speculators' reader takes every row."""
+    pytest.importorskip("speculators", reason="speculators is not installed (the trainer's reader)")
+    from _e2e_helpers import HSX, assert_verify_ok, check_speculators_corpus, cli_env, run_extract
+    from _server import CHAT
+    from hsx_client.inputs import read_samples
+
+    import subprocess
+
+    oasst = str(CHAT / "oasst" / "threads.messages.jsonl")
+    (server,) = e2e_pool.get(1)
+    args = ["--format", "speculators", "--max-length", str(OASST_MAX_LENGTH), "--max-samples", "24", "--seed", "3",
+            "--input", oasst]
+    shards = [tmp_path / f"sh{i}" for i in range(3)]
+    for i, sh in enumerate(shards):
+        summary = run_extract([server], sh, "--shard", f"{i}/3", *args)
+        assert summary["status"] == "complete" and summary["dropped"] > 0, summary
+    dropped = [json.loads((sh / "hsx_corpus.json").read_text())["dropped_indices"] for sh in shards]
+    assert len({tuple(d) for d in dropped}) > 1, dropped  # what the merge used to compare
+
+    out = tmp_path / "mrg"
+    r = subprocess.run([*HSX, "merge", str(out), *map(str, shards), "--json", "--quiet"], capture_output=True,
+                       text=True, timeout=300, env=cli_env())
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)
+    corpus = json.loads((out / "hsx_corpus.json").read_text())
+    n_dropped = sum(map(len, dropped))
+    assert summary["samples"] == 24 - n_dropped and summary["dropped_in_shards"] == n_dropped
+    assert corpus["counts"]["global_dropped"] == n_dropped and corpus["counts"]["truncated"] > 0
+    starts = [json.loads((sh / "plan.json").read_text())["shard"]["start"] for sh in shards]
+    assert corpus["merge"]["global_dropped_indices"] == sorted(s + i for s, d in zip(starts, dropped) for i in d)
+    assert_verify_ok(out)
+    requests = {s.key: s.request for s in read_samples([oasst], mask_policy="per_turn")}
+    assert check_speculators_corpus(out, requests, OASST_MAX_LENGTH, "right") == 24 - n_dropped
+    assert_files_say_only_true_things(out)
+
+
+def test_files_that_name_their_shard_index_are_rewritten_without_it(tmp_path, inputs):
+    """Issue 25 item 3 for shards written before sample files stopped naming their index
+    (`index` in the safetensors metadata): the merge copies such a file without it, checked
+    against the shard's checksum, records the new checksum, and the tensors stay the same."""
+    import struct
+
+    from safetensors.torch import load_file
+
+    shards = make_shards(tmp_path, inputs, 2, max_samples=10)
+    for sh in shards:  # make them look like an older client's shards
+        lines = [json.loads(x) for x in (sh / "manifest.jsonl").read_text().splitlines()]
+        for e in lines:
+            (rel, meta), = e["files"].items()
+            data = (sh / rel).read_bytes()
+            n = struct.unpack("<Q", data[:8])[0]
+            header = json.loads(data[8:8 + n])
+            header["__metadata__"]["index"] = str(e["index"])
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-(8 + len(raw)) % 8)
+            store.write_file_atomic(sh / rel, struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+            size, digest = store.hash_file(sh / rel)
+            e["files"] = {rel: {"size": size, store.HASH_ALGO: digest}}
+        (sh / "manifest.jsonl").write_text("".join(json.dumps(e) + "\n" for e in lines))
+        assert verify_corpus(sh)["ok"]
+    out = tmp_path / "merged"
+    r = run_merge(out, shards)
+    assert r.exit_code == 0 and r.summary["rewritten"] == 10 and r.summary["linked"] == 0, r.summary
+    assert_files_say_only_true_things(out)
+    assert verify_corpus(out)["ok"]
+    whole = {**samples_by_key(shards[0]), **samples_by_key(shards[1])}
+    assert_same_samples(samples_by_key(out), whole)
+    # a corrupted legacy file is caught by the shard's checksum while rewriting
+    victim = shards[1] / "hidden_states" / "hs_1.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    r = run_merge(tmp_path / "merged2", shards)
+    assert r.exit_code == 1 and "corrupted" in r.summary["message"] and str(victim) in r.summary["message"], r.summary

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 _TABLE_BATCH = 1024  # rows per Arrow batch: 32-bit list offsets hold any 1024 rows
 
 
-def sample_file_parts(index: int, ctx: CorpusContext, tensors: list[tuple[str, str, torch.Tensor | np.ndarray]]) -> list:
+def sample_file_parts(ctx: CorpusContext, tensors: list[tuple[str, str, torch.Tensor | np.ndarray]]) -> list:
     """A sample's safetensors file as [header, buffers...] from the tensors' own bytes: one
     copy (safetensors.torch.save made several and ran at ~0.3 GB/s on 34 MB samples).
     `tensors`: (name, safetensors dtype code, tensor or array)."""
@@ -38,7 +38,11 @@ def sample_file_parts(index: int, ctx: CorpusContext, tensors: list[tuple[str, s
             bufs.append(t.contiguous().view(torch.uint8).reshape(-1).numpy().data)
         else:
             bufs.append(np.ascontiguousarray(t).data)
-    meta = {"format": "hsx-speculators/1", "index": str(int(index)), "layer_ids": json.dumps(list(ctx.layer_ids))}
+    # No sample index in the file: its position is its name, and one file has several names
+    # over its life (finalize's compaction renames it; `hsx merge` hard-links it into the
+    # merged corpus under another index while the shard keeps it under its own), so an
+    # index stored inside could not be true under both. Files written before carry one.
+    meta = {"format": "hsx-speculators/1", "layer_ids": json.dumps(list(ctx.layer_ids))}
     return [wire.encode_header(specs, meta), *bufs]
 
 
@@ -53,8 +57,9 @@ class SpeculatorsFormat:
     rerun after a crash recomputes the same plan from the same records, checks it against
     the journal and finishes it (a move whose source is gone and target present is done).
     The journal stays as the record of the renumbering: sample `old` now lives at `new`,
-    so `verify_sample` must be given the new index for moved samples. The corpus is final
-    after that: do not resume extraction into it.
+    so `verify_sample` must be given the new index for moved samples. The set of samples is
+    final after that (no --retry-failed); a sample found bad is redone under its plan index
+    and the rerun finalize moves it into its place again (the same journal).
     """
 
     name = "speculators"
@@ -75,7 +80,7 @@ class SpeculatorsFormat:
     def encode_sample(self, index: int, decoded: Decoded, ctx: CorpusContext) -> SampleOutput:
         hs, ids, mask, source = check_decoded(decoded, ctx)
         ids = np.ascontiguousarray(ids, dtype="<i8")
-        parts = sample_file_parts(index, ctx, [("hidden_states", dtypes.st_code(hs.dtype), hs), ("token_ids", "I64", ids)])
+        parts = sample_file_parts(ctx, [("hidden_states", dtypes.st_code(hs.dtype), hs), ("token_ids", "I64", ids)])
         return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx))
 
     def prepare(self) -> None:

@@ -75,7 +75,7 @@ class SpeculatorsTokensFormat(SpeculatorsFormat):
             )
         ids, mask, source = check_tokens(decoded, ctx)
         ids = np.ascontiguousarray(ids, dtype="<i8")
-        parts = sample_file_parts(index, ctx, [("token_ids", "I64", ids)])
+        parts = sample_file_parts(ctx, [("token_ids", "I64", ids)])
         return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx))
 
     def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]:
@@ -115,7 +115,7 @@ class SpeculatorsFp8Format(SpeculatorsFormat):
             raise CorpusFormatError("states hold NaN or infinity: fp8 scales cannot be computed")
         q, scale = quantize_fp8(hs)
         ids = np.ascontiguousarray(ids, dtype="<i8")
-        parts = sample_file_parts(index, ctx, [("hidden_states", "F8_E4M3", q), (SCALES_KEY, "F32", scale),
+        parts = sample_file_parts(ctx, [("hidden_states", "F8_E4M3", q), (SCALES_KEY, "F32", scale),
                                                 ("token_ids", "I64", ids)])
         return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx))
 
