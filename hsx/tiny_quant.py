@@ -14,9 +14,11 @@ model from `hsx make-tiny-model`) and writes two checkpoints:
     the compressed-tensors library's own compressor and config classes: the layout
     vLLM's CompressedTensors loader (Marlin / Machete kernels) reads.
 - DST-dequant (or `--dequantized-out`): the same model with every quantized weight replaced
-  by the value it dequantizes to, in float32 (int4 x bf16-scale and fp8 x fp32-scale
-  products are exact there, not in bf16): the transformers reference for the quantized
-  model, so that a comparison sees only the quantized kernels' arithmetic.
+  by the value it dequantizes to, in float32: the transformers reference for the quantized
+  model, so that a comparison sees only the quantized kernels' arithmetic. FP8: fp8 x
+  fp32 scale in float32 (as DeepSeek's dequantizer and vLLM's block kernels, which scale
+  the fp32 accumulator). W4A16: int4 x scale rounded once to the scale's dtype (bf16), as
+  compressed-tensors' decompressor and the Marlin / Machete kernels compute it.
 
 The unquantized tensors are written in `--dtype` (bfloat16, the activation dtype of the
 quantized kernels) in DST and as the same values in float32 in the twin.
@@ -100,7 +102,7 @@ def w4a16_quantize(w, scheme, scale_dtype):
     weight), through compressed-tensors' own qparams, quantizer and pack-quantized compressor."""
     import torch
     from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.lifecycle.forward import quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
     args = scheme.weights
@@ -115,8 +117,16 @@ def w4a16_quantize(w, scheme, scale_dtype):
     zero_point = zero_point.to(torch.int8)
     compressor = BaseCompressor.get_value_from_registry("pack-quantized")
     compressed = compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zero_point}, scheme)
-    deq = fake_quantize(w, scale.float(), zero_point, args)
+    # int x scale rounded once to the scale's dtype: what compressed-tensors' decompressor
+    # yields and what Marlin / Machete compute (they scale in the activation dtype).
+    ints = quantize(x=w, scale=scale, zero_point=zero_point, args=args, dtype=torch.int8)
+    deq = (ints.float() * _per_column(scale.float(), w.shape[1])).to(scale_dtype).float()
     return compressed, deq
+
+
+def _per_column(scale, cols: int):
+    """[out, groups] scales repeated over each group's columns ([out, 1] broadcasts as is)."""
+    return scale if scale.shape[1] == 1 else scale.repeat_interleave(cols // scale.shape[1], dim=1)
 
 
 def _read_tensors(src: Path) -> dict:
