@@ -49,7 +49,7 @@ from hsx.wire import decode  # noqa: E402
 
 CASES = ("fp8-block", "w4a16", "fp8-online")
 # Worst per-layer relative error allowed against the reference (docs/quantization.md).
-TOL = {"w4a16": 3e-2, "fp8-block": 1e-1, "fp8-online": 1.5e-1}
+TOL = {"w4a16": 3e-2, "fp8-block": 1e-1, "fp8-online": 2e-1}
 NUM_LAYERS = 4
 KERNEL_LINE = re.compile(r"(Using \S+ (for|kernel|backend)|Marlin|Machete|DeepGemm|DeepGEMM|CUTLASS|Cutlass|"
                          r"block.?scaled|fp8|FP8|quantiz)", re.I)
