@@ -50,10 +50,16 @@ _LAYER = re.compile(r"(.*\.)?layers\.\d+\.")
 
 
 def make_source(out, family: str = "llama", *, num_layers: int = 4, **kwargs) -> Path:
-    """A random model from hsx.tiny_model with QUANT_DIMS (kwargs override them)."""
+    """A random model from hsx.tiny_model with QUANT_DIMS (kwargs override them, and
+    make_tiny_model's other arguments, e.g. dtype, pass through)."""
     from hsx.tiny_model import make_tiny_model
 
-    return make_tiny_model(out, family, num_layers=num_layers, **{**QUANT_DIMS, **kwargs})
+    dims = {**QUANT_DIMS, **kwargs}
+    if family == "deepseek_v3":
+        # MLA has one K/V head per query head (DeepSeek-V3: 128 and 128); transformers'
+        # attention repeats K/V by heads / kv_heads and breaks on anything else.
+        dims["num_kv_heads"] = dims["num_heads"]
+    return make_tiny_model(out, family, num_layers=num_layers, **dims)
 
 
 def is_quantized(name: str, tensor, skipped: list[str]) -> bool:

@@ -8,6 +8,7 @@ tests/gpu/check_quant.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 
 from hsx.tiny_quant import ALWAYS_SKIPPED, fp8_block_dequantize, fp8_block_quantize, is_quantized
 
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 BF16_TOL = 3e-2  # bf16 engine vs fp32 reference, as in test_service_correctness
 LAYERS = [1, 2, 3, 4]
 
@@ -143,6 +145,50 @@ def test_configs_parse_in_vllm(quantized):
                           ("model.layers.0.mlp.shared_expert_gate", True), ("lm_head", True),
                           ("model.layers.0.self_attn.q_proj", False)]:
         assert should_ignore_layer(name, ignore=ct.ignore) is ignored, name
+
+
+@pytest.mark.slow
+def test_deepseek_v3_checkpoints(tmp_path):
+    """The DeepSeek-V3 / Kimi-K2 layout: MLA projections, shared and routed experts quantized,
+    the routers not; both decode to their twins, vLLM parses both configs, and transformers
+    runs the twins (the reference check_quant.py uses)."""
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+
+    from hsx.tiny_model import FAMILIES
+    from hsx.tiny_quant import make_source, quantize_checkpoint
+
+    if "deepseek_v3" not in FAMILIES:
+        pytest.skip("this hsx's make-tiny-model has no deepseek_v3 family")
+    from _reference import reference_states
+
+    src = make_source(tmp_path / "ds", "deepseek_v3", dtype="bfloat16")
+    fp8, fp8_twin, _ = quantize_checkpoint(src, tmp_path / "fp8", "fp8-block")
+    w4, w4_twin, summary = quantize_checkpoint(src, tmp_path / "w4", "w4a16")
+    assert summary["strategy"] == "group"
+    qt = _tensors(fp8)
+    for name in ("model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.1.mlp.shared_experts.down_proj.weight",
+                 "model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.mlp.up_proj.weight"):
+        assert qt[name].dtype == torch.float8_e4m3fn, name
+    assert qt["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    conv = FP8BlockDequantizer(ignore=["lm_head", "re:.*embed_tokens$", *(f"re:{p}" for p in ALWAYS_SKIPPED)],
+                               targets=["Linear"], dtype=torch.float32)
+    decoded = {n: (t.float() if t.is_floating_point() else t) for n, t in conv.process(dict(qt)).items()}
+    _assert_twin(decoded, _tensors(fp8_twin), {n for n, t in qt.items() if t.dtype == torch.float8_e4m3fn})
+    qt = _tensors(w4)
+    conv = CompressedTensorsDequantizer(w4, dtype=torch.float32)
+    decoded = {n: (t.float() if t.is_floating_point() else t) for n, t in conv.process(dict(qt)).items()}
+    _assert_twin(decoded, _tensors(w4_twin), {n.replace("_packed", "") for n in qt if n.endswith("_packed")})
+    if HAVE_VLLM:
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+            CompressedTensorsConfig,
+        )
+        from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+        assert Fp8Config.from_config(_config(fp8)["quantization_config"]).weight_block_size == [128, 128]
+        assert CompressedTensorsConfig.from_config(_config(w4)["quantization_config"]).ignore[0] == "lm_head"
+    states = reference_states(str(w4_twin), [1, 7, 8, 9, 10], [0, 1, 2, 3, 4])
+    assert states.shape == (5, 5, 256) and torch.isfinite(states).all()
 
 
 @pytest.fixture(scope="module")

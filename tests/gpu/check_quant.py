@@ -160,7 +160,7 @@ def main() -> int:
     p.add_argument("--families", default="llama,deepseek_v3")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--eager", action="store_true", help="--enforce-eager (the default is vLLM's compiled path)")
-    p.add_argument("--start-timeout", type=float, default=420, help="seconds for all the engines to start")
+    p.add_argument("--start-timeout", type=float, default=300, help="seconds for all the engines to start")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
     cases = [c for c in a.cases.split(",") if c]
