@@ -121,6 +121,20 @@ def kernel_lines(log: Path) -> list[str]:
     return seen[:12]
 
 
+def causes(log: Path) -> list[str]:
+    """The log's error lines (exception messages, vLLM's kernel refusals), last five distinct."""
+    seen: list[str] = []
+    for line in log.read_text(errors="replace").splitlines():
+        if "See root cause above" in line or "stack trace for root cause" in line:
+            continue  # vLLM's wrappers around the cause
+        if re.search(r"(\w+(Error|Exception): |requires |not supported|No \w+ backend)", line):
+            text = re.sub(r"^.*?\] ", "", line).strip()[:400]
+            if text in seen:
+                seen.remove(text)
+            seen.append(text)
+    return seen[-5:]
+
+
 def check_case(c: dict, srv: ServerProcess, deadline: float) -> dict:
     t0 = time.time()
     srv.wait_ready(max(30.0, deadline - time.monotonic()))
@@ -206,17 +220,21 @@ def main() -> int:
         try:
             record[c["name"]] = check_case(c, srv, deadline)
         except Exception as exc:
-            record[c["name"]] = {"ok": False, "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:3000]}"}
+            first = (str(exc).strip().splitlines() or [""])[0]
+            record[c["name"]] = {"ok": False, "error": f"{type(exc).__name__}: {first[:500]}"}
         finally:
             srv.stop()
             record[c["name"]]["kernels"] = kernel_lines(srv.log_path)
-            record[c["name"]]["log_tail"] = srv.log_tail(15) if not record[c["name"]]["ok"] else ""
+            if not record[c["name"]]["ok"]:
+                record[c["name"]]["causes"] = causes(srv.log_path)
         r = record[c["name"]]
         if r["ok"]:
             print(f"PASS {c['name']}: worst {r['worst']:.2e} (tol {r['tol']:g}) vs {r['reference']}; per layer "
                   f"{r['vs_reference']}; vs unquantized {r['vs_unquantized']}", flush=True)
         else:
             print(f"FAIL {c['name']}: {r.get('error') or r}", flush=True)
+            for line in r.get("causes", []):
+                print(f"    cause: {line}", flush=True)
         for line in r["kernels"]:
             print(f"    {line}", flush=True)
     failed = [n for n, r in record.items() if not r["ok"]]
