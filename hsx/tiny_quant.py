@@ -63,11 +63,13 @@ def make_source(out, family: str = "llama", *, num_layers: int = 4, **kwargs) ->
 
 
 def is_quantized(name: str, tensor, skipped: list[str]) -> bool:
-    """A decoder layer's 2-D linear weight that is not in `skipped` (module-name regexes)."""
+    """A decoder layer's 2-D linear weight whose module name no `skipped` regex matches."""
     if not name.endswith(".weight") or tensor.dim() != 2 or not _LAYER.match(name):
         return False
     module = name[: -len(".weight")]
-    return not any(re.fullmatch(p, module) for p in skipped)
+    # re.match, as vLLM and compressed-tensors read the config's `re:` patterns: a pattern
+    # then leaves out the same modules here as there.
+    return not any(re.match(p, module) for p in skipped)
 
 
 def fp8_block_quantize(w, block=FP8_BLOCK):
@@ -208,6 +210,12 @@ def quantize_checkpoint(src, dst, scheme: str, *, dequantized_out=None, ignore: 
         # DeepSeek-V3's config.json, key for key (vLLM's Fp8Config.from_config reads them).
         qcfg = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                 "weight_block_size": list(FP8_BLOCK)}
+        # Linear layers left out by --ignore: vLLM's Fp8Config expects FP8 weights in every
+        # linear layer not named here (exact module names).
+        left_out = sorted(n[: -len(".weight")] for n, t in tensors.items()
+                          if n not in names and is_quantized(n, t, list(ALWAYS_SKIPPED)))
+        if left_out:
+            qcfg["ignored_layers"] = left_out
         _write_config(dst, dtype, qcfg)
     else:
         from compressed_tensors.compressors import ModelCompressor
@@ -232,7 +240,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--scheme", required=True, choices=SCHEMES)
     p.add_argument("--dequantized-out", help="where the float32 dequantized twin goes (default DST-dequant)")
     p.add_argument("--ignore", action="append", default=[],
-                   help="regex (whole module name) of more layers to leave unquantized, e.g. '.*self_attn.*'")
+                   help="regex (matched from the start of the module name, as vLLM does; end it with $ to "
+                        "anchor) of more layers to leave unquantized, e.g. '.*self_attn\\.'")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                    help="dtype of the unquantized tensors and the scales (default bfloat16)")
     a = p.parse_args(argv)

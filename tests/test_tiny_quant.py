@@ -62,6 +62,26 @@ def test_which_weights_are_quantized():
     assert not is_quantized("model.layers.0.self_attn.q_proj.weight", two_d, [*skipped, r".*self_attn.*"])
 
 
+def test_fp8_block_names_the_layers_it_leaves_out(tmp_path):
+    """--ignore (e.g. Kimi-K2's unquantized attention): vLLM's Fp8Config quantizes every linear
+    layer its `ignored_layers` does not name, so those layers must be listed there."""
+    from safetensors.torch import save_file
+
+    from hsx.tiny_quant import quantize_checkpoint
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    save_file({"model.layers.0.self_attn.q_proj.weight": torch.randn(128, 128),
+               "model.layers.0.mlp.up_proj.weight": torch.randn(128, 128),
+               "model.layers.0.mlp.gate.weight": torch.randn(4, 128)}, str(src / "model.safetensors"))
+    dst, _, summary = quantize_checkpoint(src, tmp_path / "fp8", "fp8-block", ignore=(r".*self_attn\.",))
+    qt = _tensors(dst)
+    assert summary["weights_quantized"] == 1 and qt["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert qt["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert _config(dst)["quantization_config"]["ignored_layers"] == ["model.layers.0.self_attn.q_proj"]
+
+
 # ------------------------------------------------------------------ slow: real checkpoints
 
 @pytest.fixture(scope="module")
