@@ -202,7 +202,7 @@ def quantize_checkpoint(src, dst, scheme: str, *, dequantized_out=None, ignore: 
         else:
             compressed, deq[name] = w4a16_quantize(t, w4, store_dtype)
             quant.update({f"{module}.{k}": v.contiguous() for k, v in compressed.items()})
-    for out, tensors_out, out_dtype in ((dst, quant, dtype), (twin, deq, "float32")):
+    for out, tensors_out in ((dst, quant), (twin, deq)):
         _copy_side_files(src, out)
         save_file(tensors_out, str(out / "model.safetensors"), metadata={"format": "pt"})
     summary = {"scheme": scheme, "weights_quantized": len(names), "tensors_kept": len(tensors) - len(names)}
