@@ -18,6 +18,7 @@ commands:
   demo                                            tiny CPU model + server + extract, end to end
   bench                                           benchmark against plain prefill and vLLM's file path
   make-tiny-model DIR [--family F]                write a small random model (llama, qwen3_moe, qwen3_next)
+  quantize-tiny-model SRC DST --scheme S          FP8-block or W4A16 copy of a small model, and its dequantized twin
 
 `hsx COMMAND --help` for a command's flags.
 """
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
-    if command in ("serve", "demo", "bench", "make-tiny-model"):
+    if command in ("serve", "demo", "bench", "make-tiny-model", "quantize-tiny-model"):
         from hsx.compat import guard_broken_torch_extensions
 
         guard_broken_torch_extensions()
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         from hsx.bench import main as run
     elif command == "make-tiny-model":
         from hsx.tiny_model import main as run
+    elif command == "quantize-tiny-model":
+        from hsx.tiny_quant import main as run
     elif command in ("-V", "--version"):
         from hsx import __version__
 
