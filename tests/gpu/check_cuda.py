@@ -186,7 +186,7 @@ def server(model: str, *args: str, a, log_dir: Path, name: str, mem: float) -> S
     if tp > 1:
         flags += ["--tensor-parallel-size", str(tp)]
     t0 = time.time()
-    srv = ServerProcess(model, *flags, log_dir=log_dir, name=name, env=engine_env(VLLM_LOGGING_LEVEL="INFO"))
+    srv = ServerProcess(model, *flags, log_dir=log_dir, name=name, compiled=True, env=engine_env(VLLM_LOGGING_LEVEL="INFO"))
     srv.wait_ready(900)
     info = httpx.get(srv.url + "/info").json()
     print(f"{name} ready in {time.time() - t0:.0f}s: vLLM {info['vllm_version']}, TP {tp}, layers {info['layer_ids']}",
