@@ -181,3 +181,24 @@ def test_the_trainer_takes_device_cpu_and_sets_what_a_cpu_runs():
     dev, rest = _split_device(["--device", "cpu", "--data-path", "d", "--draft-attn-impl=flex_attention"])
     assert dev == "cpu"
     assert rest == ["--data-path", "d", "--draft-attn-impl=flex_attention", "--loss-implementation", "eager"]
+
+
+# ------------------------------------------------------------------ the README names what a user looks at
+def test_readme_names_the_files_a_run_writes_and_the_inputs_it_takes(tmp_path, data):
+    from _server import REPO
+
+    from hsx_client import store
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Extracting a corpus"):readme.index("### On CPU")]
+    out = tmp_path / "out"
+    srv = InfoServer()
+    srv.empty_mask = {2}
+    assert run(cfg_for(data, out), FakeFormat(), srv).exit_code == 0
+    for name in (store.MANIFEST_NAME, store.FAILED_NAME, store.BAD_ROWS_NAME, store.CORPUS_NAME):
+        assert f"`{name}`" in section and (out / name).exists(), name
+    entry = json.loads((out / store.FAILED_NAME).read_text().splitlines()[0])
+    assert entry["kind"] == "dropped" and '`"kind": "dropped"`' in section
+    assert "`truncated_from`" in section and "`--quiet` hides only the\n  progress bars" in section
+    for kind in ("OpenAI", "ShareGPT", "Alpaca", "MT-Bench", "`{\"prompt\"}`", "`{\"input_ids\"", "hf:org/name", "glaive"):
+        assert kind in section, kind
