@@ -40,7 +40,7 @@ from _e2e_helpers import (
     run_extract,
     wait_for_manifest,
 )
-from _server import CHAT, REPO, STORIES
+from _server import CHAT, STORIES
 
 pytestmark = [pytest.mark.engine, pytest.mark.fixtures, pytest.mark.slow]
 
