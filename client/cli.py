@@ -125,7 +125,7 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
     p.add_argument("--retry-failed", action="store_true", help="retry samples that failed with a 4xx or encode error")
     p.add_argument("--force-disk", action="store_true", help="run even when the disk estimate exceeds free space")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (the end summary still prints)")
     return p
 
 
@@ -198,7 +198,7 @@ def extract_main(argv: list[str] | None = None) -> int:
     summary.setdefault("status", result.status)
     if result.status == "refused" or "planned" not in summary:  # nothing ran: the reason alone
         print(f"hsx extract: {summary.get('message')}", file=sys.stderr)
-    elif not args.quiet or result.exit_code != 0:
+    else:  # --quiet hides the progress bar, never what the run did
         print(format_summary(summary), file=sys.stderr)
     if args.json:
         summary["exit_code"] = result.exit_code

@@ -54,6 +54,7 @@ from .progress import Progress, format_summary, reason_counts
 from .provenance import finalize
 from .run import EXIT_INTERRUPTED, RunHooks, RunLoop, RunState
 from .settings import DEFAULTS
+from .template_tools import tools_not_rendered
 from .verify import verify_corpus, verify_samples
 from .workers import WorkerPool, worker_count, worker_spec
 
@@ -140,6 +141,7 @@ class Extractor:
         self._notes: list[str] = []  # said once the progress bar is up
         self._token_ratio: Any = None  # preflight.TokenCounts: the served tokenizer's counts of a sample
         self._disk_estimate: int | None = None
+        self._tools_not_rendered = 0  # planned samples whose `tools` the chat template ignores
 
     def request_stop(self, reason: str) -> None:
         """Stop admitting samples and cancel the requests in flight (exit 130)."""
@@ -252,6 +254,11 @@ class Extractor:
                 planning.check_resumable(plan, inputs, samples, info, settings["layers"], out, shard=cfg.shard)
                 new_run = False
             keys = plan["keys"]
+            self._tools_not_rendered = await tools_not_rendered(
+                client, (samples.by_key[k].request for k in keys), settings["max_length"])
+            if self._tools_not_rendered:
+                self._notes.append(f"warning: {self._tools_not_rendered} sample(s) carry tool definitions that the "
+                                   "server's chat template does not render (they are stored without them)")
 
             with store.JsonlLog(out / store.MANIFEST_NAME) as manifest, \
                     store.JsonlLog(out / store.FAILED_NAME) as failed_log:
@@ -352,7 +359,7 @@ class Extractor:
             "failed_reasons": reason_counts(failed.values()), "dropped_reasons": reason_counts(dropped.values()),
             "bad_rows": plan.get("bad_rows", 0), "bad_row_kinds": plan.get("bad_row_kinds", {}),
             "bad_rows_file": str(bad_rows_file), "bad_row_examples": bad_examples[:5],
-            "disk_estimate_bytes": self._disk_estimate,
+            "disk_estimate_bytes": self._disk_estimate, "tools_not_rendered": self._tools_not_rendered,
             "token_counts": vars(self._token_ratio) if self._token_ratio else None, **run_summary,
         }
         if state.fatal is not None:

@@ -5,6 +5,10 @@ do (not the whole plan: a resumed run never shows 100% with nothing done), so tq
 is the samples ETA; the postfix shows tokens/s, MB/s on the wire and written to disk,
 retries, errors, failed samples and per-server requests in flight. Rates are averages
 since this run started (a resumed run counts only its own work).
+
+The per-server counters of the summary are the requests of the fan-out alone: what the
+client did before it (/info, the disk estimate's /tokenize calls) is subtracted, and with
+--workers the worker processes' clients, which did the work, are added in (`add_server_stats`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ class Progress:
         self.wire_bytes = 0
         self.written_bytes = 0
         self._last_refresh = 0.0
+        # Counters before the fan-out (pre-flight requests), subtracted from what is shown.
+        self._baseline = server_stats() if server_stats is not None else {}
+        self._worker_servers: dict[str, dict[str, Any]] = {}  # --workers: their clients' counters
         self._bar = None
         if not quiet and total > 0:  # nothing to do: no bar (it would stand at 100% with 0 done)
             from tqdm import tqdm
@@ -71,9 +78,7 @@ class Progress:
         self.refresh()
 
     def write(self, msg: str) -> None:
-        """A message that does not break the bar."""
-        if self.quiet:
-            return
+        """A message that does not break the bar (--quiet hides the bar, not messages)."""
         if self._bar is not None:
             self._bar.write(msg, file=self.stream)
         else:
@@ -83,12 +88,23 @@ class Progress:
     def elapsed(self) -> float:
         return max(1e-9, time.monotonic() - self.start)
 
+    def add_server_stats(self, stats: dict[str, dict[str, Any]]) -> None:
+        """A worker process's client counters (HsxClient.stats()), added to this run's."""
+        add_stats(self._worker_servers, stats)
+
+    def servers(self) -> dict[str, dict[str, Any]]:
+        """Per-server counters of this run's fan-out (see the module doc)."""
+        if self.server_stats is None:
+            return {}
+        out = since(self.server_stats(), self._baseline)
+        add_stats(out, self._worker_servers)
+        return out
+
     def _totals(self) -> tuple[int, int]:
         retries = errors = 0
-        if self.server_stats is not None:
-            for s in self.server_stats().values():
-                retries += s.get("retries", 0)
-                errors += s.get("errors", 0)
+        for s in self.servers().values():
+            retries += s.get("retries", 0)
+            errors += s.get("errors", 0)
         return retries, errors
 
     def postfix(self) -> str:
@@ -148,20 +164,67 @@ class Progress:
             "written_MB_per_s": round(self.written_bytes / el / 1e6, 3),
             "retries": retries,
             "errors": errors,
-            "servers": self.server_stats() if self.server_stats is not None else {},
+            "servers": self.servers(),
         }
 
 
+_GAUGES = ("in_flight",)  # a level, not a count: never subtracted or summed
+
+
+def _counter(k: str, v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _GAUGES
+
+
+def since(now: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """HsxClient.stats() `now` less the counters of `before` (the rest as they are now)."""
+    return {url: {k: v - before.get(url, {}).get(k, 0) if _counter(k, v) else v for k, v in st.items()}
+            for url, st in now.items()}
+
+
+def add_stats(total: dict[str, dict[str, Any]], one: dict[str, dict[str, Any]]) -> None:
+    """HsxClient.stats() of a worker added into `total`: counters summed per server, the
+    rest (healthy, last_error, transfer) the latest seen."""
+    for url, counters in one.items():
+        mine = total.setdefault(url, {})
+        for k, v in counters.items():
+            summable = isinstance(v, (int, float)) and not isinstance(v, bool)
+            mine[k] = mine.get(k, 0) + v if summable else v
+
+
 def reason_counts(entries: Any, limit: int = 10) -> list[dict[str, Any]]:
-    """failed.jsonl entries grouped by reason (the message with its numbers as N), most
-    frequent first, each with one example sample key (its input file:line)."""
+    """failed.jsonl entries grouped by reason (the message with its numbers left out), most
+    frequent first, each with one example sample key (its input file:line). The reason
+    shows the real numbers: one where the group agrees, else their range ("from 530-2048
+    to 511 tokens")."""
     groups: dict[str, dict[str, Any]] = {}
     for e in entries:
         head = f"{e.get('status')} {e.get('type')}: " if e.get("status") else ""
-        reason = head + re.sub(r"\d+", "N", str(e.get("message") or e.get("kind")))[:200]
-        g = groups.setdefault(reason, {"reason": reason, "count": 0, "example": e.get("key")})
+        text = head + str(e.get("message") or e.get("kind"))
+        shape = _NUMBER.sub("N", text)[:200]
+        g = groups.setdefault(shape, {"reason": shape, "count": 0, "example": e.get("key"), "_text": text,
+                                      "_numbers": []})
         g["count"] += 1
+        g["_numbers"].append([int(n) for n in _NUMBER.findall(text)])
+    for g in groups.values():
+        g["reason"] = _with_numbers(g.pop("_text"), g.pop("_numbers"))[:200]
     return sorted(groups.values(), key=lambda g: -g["count"])[:limit]
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def _with_numbers(text: str, rows: list[list[int]]) -> str:
+    """`text` with its k-th number replaced by the k-th numbers of all `rows`: the value, or
+    "lo-hi" where they differ."""
+    columns = list(zip(*rows))
+    k = iter(range(len(columns)))
+
+    def one(m: re.Match) -> str:
+        col = columns[next(k)]
+        lo, hi = min(col), max(col)
+        return str(lo) if lo == hi else f"{lo}-{hi}"
+
+    return _NUMBER.sub(one, text)
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -175,12 +238,17 @@ def format_summary(s: dict[str, Any]) -> str:
     ]
     for url, st in (s.get("servers") or {}).items():
         lines.append(
-            f"  {url}: ok {st.get('ok')} refused {st.get('refused', 0)} retries {st.get('retries')} errors {st.get('errors')}"
+            f"  {url}: requests ok {st.get('ok')} refused {st.get('refused', 0)} retries {st.get('retries')}"
+            f" errors {st.get('errors')}"
             f" {'healthy' if st.get('healthy') else 'UNHEALTHY: ' + str(st.get('last_error'))}"
         )
     if s.get("truncated"):
         lines.append(f"cut: {s['truncated']} stored sample(s) were longer than --max-length {s.get('max_length')} "
                      f"and cut ({s.get('truncation')} truncation)")
+    if s.get("tools_not_rendered"):
+        lines.append(f"warning: {s['tools_not_rendered']} sample(s) carry tool definitions (`tools`) that the "
+                     "server's chat template does not render: their tokens hold no tools (serve a template "
+                     "that renders them: hsx serve --chat-template FILE)")
     for what in ("dropped", "failed"):
         for r in s.get(f"{what}_reasons") or []:
             lines.append(f"{what}: {r['count']} x {r['reason']}" + (f" (e.g. {r['example']})" if r.get("example") else ""))

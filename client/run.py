@@ -385,8 +385,11 @@ class RunLoop:
             decoded = raw.decode()
         except Exception as exc:
             raise SampleEncodeError(f"{type(exc).__name__}: {exc}") from exc
-        if decoded.loss_mask is not None and not decoded.loss_mask.any():
-            raise SampleDropped("no supervised token: the loss mask is all zero")
+        from .formats.common import drop_reason  # the formats import torch: not at this module's import
+
+        dropped = drop_reason(st.fmt, decoded.loss_mask)  # nothing to train on: all masked, or the format's rule
+        if dropped:
+            raise SampleDropped(dropped)
         try:
             out = st.fmt.encode_sample(index, decoded, st.ctx)
         except Exception as exc:

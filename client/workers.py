@@ -46,6 +46,7 @@ from typing import Any
 from . import store
 from .allocator import keep_large_blocks
 from .plan import DROPPED
+from .progress import add_stats
 from .run import RunHooks, RunLoop, RunState, StopSignals, default_write_workers
 
 log = logging.getLogger("hsx.extract")
@@ -326,6 +327,7 @@ class WorkerPool:
             st.store_s += books.get("store_s", 0.0)
             st.life_s += books.get("life_s", 0.0)
             add_stats(st.worker_stats, books.get("stats", {}))
+            st.progress.add_server_stats(books.get("stats", {}))  # the summary's per-server counts
             if msg[1] is not None:
                 self._stop_on(WorkerError(msg[1]), msg[1])
 
@@ -349,16 +351,6 @@ class WorkerPool:
                                       f"{w.proc.exitcode}); rerun the same command to resume"), "workers died")
         elif not self.state.stopping and pending:
             live.append(self._start())
-
-
-def add_stats(total: dict[str, dict[str, Any]], one: dict[str, dict[str, Any]]) -> None:
-    """HsxClient.stats() of a worker added into `total`: numbers summed per server, the
-    rest (healthy, last_error) the latest seen."""
-    for url, counters in one.items():
-        mine = total.setdefault(url, {})
-        for k, v in counters.items():
-            summable = isinstance(v, (int, float)) and not isinstance(v, bool)
-            mine[k] = mine.get(k, 0) + v if summable else v
 
 
 def worker_count(requested: int, concurrency_per_server: int) -> int:

@@ -342,6 +342,6 @@ def test_too_long_samples_with_truncation_error_fail_naming_the_flags(tmp_path, 
     r = run(cfg_for(data, out, truncation="error"), FakeFormat(), TooLong())
     assert r.exit_code == 1 and r.summary["failed"] == 1, r.summary
     (reason,) = r.summary["failed_reasons"]
-    assert reason["reason"].startswith("413 too_large: N tokens exceed max_length of N tokens")
+    assert reason["reason"].startswith("413 too_large: 700 tokens exceed max_length of 511 tokens")
     assert "--max-length N with --truncation right or left" in reason["reason"]
     assert reason["example"].startswith("in.jsonl:")  # the input file:line of one such sample

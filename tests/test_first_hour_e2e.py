@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import httpx
@@ -84,11 +85,61 @@ def test_done_when_oasst_with_no_other_flags(server, tmp_path, fmt):
         assert all(int(b["loss_mask"].sum()) > 0 for b in batches.values())
 
 
-def test_quiet_is_quiet(server, tmp_path):
+def test_quiet_hides_the_bars_not_the_summary(server, tmp_path):
     r = extract(server, tmp_path / "q", "--input", str(OASST), "--format", "speculators", "--max-samples", "40",
                 "--quiet")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "Saving the dataset" not in r.stderr and "extract:" not in r.stderr and r.stderr.strip() == "", r.stderr
+    assert "Saving the dataset" not in r.stderr and "extract:" not in r.stderr and "sample/s" not in r.stderr, r.stderr
+    assert "status: complete  done " in r.stderr and "/40" in r.stderr, r.stderr  # issue 25: it hid this too
+
+
+def _summary(r: subprocess.CompletedProcess) -> dict:
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_glaive_summary_counts_what_happened_with_workers(server, tmp_path):
+    """Issue 25, a newcomer's glaive run at the defaults (llama3 template, per turn, cut at
+    511): the dropped reason shows its numbers, the per-server requests are the stored and
+    refused samples (not the disk estimate's /tokenize calls) also when worker processes
+    did the work, the tools llama3.jinja does not render are counted, and --states none
+    counts what it cut as the full run does."""
+    args = ["--input", str(GLAIVE), "--format", "speculators", "--max-samples", "60", "--json"]
+    r = extract(server, tmp_path / "full", *args, "--workers", "2")
+    s = _summary(r)
+    assert s["done"] > 0 and s["dropped"] > 0 and s["truncated"] > 0, s
+    (st,) = s["servers"].values()
+    assert (st["ok"], st["refused"]) == (s["done"], s["dropped"]), (st, s["done"], s["dropped"])
+    assert f"requests ok {s['done']} refused {s['dropped']}" in r.stderr, r.stderr[-3000:]
+    dropped = [line for line in r.stderr.splitlines() if line.startswith("dropped: ")]
+    assert dropped and all("from N" not in line and "to N tokens" not in line for line in dropped), dropped
+    assert re.search(r"from \d+(-\d+)? to 511 tokens", dropped[0]), dropped
+    assert s["tools_not_rendered"] > 0 and "tool definitions" in r.stderr, r.stderr[-3000:]
+    t = _summary(extract(server, tmp_path / "tokens", *args, "--states", "none"))
+    assert (t["done"], t["dropped"], t["truncated"]) == (s["done"], s["dropped"], s["truncated"]), t
+    assert t["tools_not_rendered"] == s["tools_not_rendered"]
+
+
+def test_a_cut_that_leaves_only_the_last_token_supervised_is_dropped_for_specforge(server, tmp_path):
+    """Issue 25: SpecForge's loader unmasks the last token (its target lies past the row),
+    so a real chat cut right after the first token of its reply would be stored with nothing
+    to train on. It is dropped, with the reason; speculators (whose shift drops the first
+    token, not the last) still stores it."""
+    chat = json.loads(OASST.read_text().splitlines()[0])["messages"][:2]
+    assert [m["role"] for m in chat] == ["user", "assistant"]
+    rows = tmp_path / "one.jsonl"
+    rows.write_text(json.dumps({"messages": chat}) + "\n")
+    mask = httpx.post(server.url + "/tokenize", json={"messages": chat, "assistant_mask": "last"}).json()["loss_mask"]
+    cut = str(mask.index(1) + 1)  # the reply's first token is the row's last
+    sf = extract(server, tmp_path / "sf", "--input", str(rows), "--format", "specforge", "--max-length", cut, "--json")
+    s = json.loads(sf.stdout)
+    assert sf.returncode == 1 and (s["done"], s["dropped"]) == (0, 1), sf.stderr[-3000:]
+    assert "dropped: 1 x " in sf.stderr and "no supervised token but the last, which SpecForge's loader unmasks" \
+        in sf.stderr, sf.stderr
+    assert not list((tmp_path / "sf").rglob("*.ckpt"))
+    sp = _summary(extract(server, tmp_path / "sp", "--input", str(rows), "--format", "speculators", "--max-length", cut,
+                          "--json"))
+    assert (sp["done"], sp["dropped"]) == (1, 0), sp
 
 
 def test_left_truncation_keeps_the_supervised_tail(server, tmp_path):

@@ -58,12 +58,24 @@ class CorpusFormat(Protocol):
     # Optional, checked before any sample is sent (a format without them has no such needs):
     #   needs_final_norm: bool
     #   layer_problem(layers, num_hidden_layers, served) -> str | None
+    # Optional, per stored sample:
+    #   drop_reason(mask) -> str | None: why a sample with a supervised token still leaves its
+    #       trainer nothing to learn (it is then dropped like an all-masked one); see `drop_reason`
+
+
+def drop_reason(fmt: object, mask: np.ndarray | None) -> str | None:
+    """Why a response gives the trainer nothing to learn (the sample is dropped, counted as
+    such, never stored), or None. No mask: every token is supervised."""
+    if mask is None:
+        return None
+    if not mask.any():
+        return "no supervised token: the loss mask is all zero"
+    own = getattr(fmt, "drop_reason", None)
+    return own(mask) if own is not None else None
 
 
 class CorpusFormatError(ValueError):
     """A response or a corpus that does not fit the format."""
-
-
 
 
 def mask_to_runs(mask: np.ndarray) -> list[int]:

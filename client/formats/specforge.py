@@ -37,6 +37,15 @@ class SpecForgeFormat:
     name = "specforge"
     needs_final_norm = True  # hidden_state is the last layer after the final norm
 
+    @staticmethod
+    def drop_reason(mask: np.ndarray) -> str | None:
+        """SpecForge's offline normalizer (specforge.algorithms.eagle3.data) sets the last
+        token's mask to 0 (its target lies past the sample): a sample supervised only there
+        trains nothing."""
+        if not mask[:-1].any():
+            return "no supervised token but the last, which SpecForge's loader unmasks"
+        return None
+
     def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
         return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
 

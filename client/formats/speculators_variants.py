@@ -95,7 +95,8 @@ class TokensResponse:
     def decode(self) -> wire.Decoded:
         ids = np.asarray(self.out["token_ids"], dtype=np.int64)
         mask = self.out.get("loss_mask")
-        meta = {"layer_ids": json.dumps(self.out.get("layer_ids", [])), "model": str(self.out.get("model", ""))}
+        meta = {"layer_ids": json.dumps(self.out.get("layer_ids", [])), "model": str(self.out.get("model", "")),
+                "num_input_tokens": self.out.get("num_input_tokens")}  # the run counts what was cut
         return wire.Decoded(hidden_states=None, token_ids=ids,
                             loss_mask=None if mask is None else np.asarray(mask, dtype=np.uint8), metadata=meta)
 
