@@ -27,6 +27,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -35,11 +36,12 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from hsx import lifeline
 from hsx_service.app import ServerState, create_app
 from hsx_service.engine import Extractor
 from hsx_service import vllm_compat
 from hsx_service.errors import StartupError
-from hsx_service.fronts import HttpWorkers, resolve_count
+from hsx_service.fronts import HttpWorkers, Listener, resolve_count
 from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import sample_loop_lag
 from hsx_service.norm import load_final_norm
@@ -55,8 +57,16 @@ DRAIN_POLL = 0.05
 CUT_OFF_GRACE = 2.0  # after --shutdown-timeout: seconds for the cut-off requests' 503s and open bodies
 
 
-def serve(settings: ServiceSettings, engine_args: Any) -> int:
-    """`hsx serve` after parsing: returns the exit code."""
+def serve(settings: ServiceSettings, engine_args: Any, listener: Listener | None = None) -> int:
+    """`hsx serve` after parsing: returns the exit code. `listener`: the public port,
+    bound before parsing (service/cli.py); bound here otherwise."""
+    lifeline.mark_owner()  # every process started from here on dies with this one
+    try:  # first: a port in use is refused before any arena or engine exists
+        sock = (listener.socket_for(settings.host, settings.port) if listener is not None
+                else Listener(settings.host, settings.port).sock)
+    except StartupError as exc:
+        print(f"hsx serve: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     extractor = Extractor(settings, engine_args)
     try:
         extractor.prepare()
@@ -67,7 +77,7 @@ def serve(settings: ServiceSettings, engine_args: Any) -> int:
     state = ServerState(settings=settings, extractor=extractor)
     try:
         count = resolve_count(settings.http_workers, vllm_compat.is_cpu_backend())
-        workers = HttpWorkers(count, settings) if count else None
+        workers = HttpWorkers(count, settings, sock) if count else None
     except StartupError as exc:
         extractor.shutdown()
         print(f"hsx serve: error: {exc}", file=sys.stderr)
@@ -76,7 +86,7 @@ def serve(settings: ServiceSettings, engine_args: Any) -> int:
         state.http_workers = count
         state.front_token = workers.token
         state.metrics.http_workers.set_function(lambda: workers.alive)
-    code = Lifecycle(state, workers).run()
+    code = Lifecycle(state, workers, sock).run()
     if state.startup_error:  # the cause as the last line, not a hundred lines above
         print(f"hsx serve: error: {state.startup_error}", file=sys.stderr)
     return code
@@ -100,9 +110,11 @@ def start_failure(exc: BaseException) -> str:
 
 
 class Lifecycle:
-    def __init__(self, state: ServerState, workers: HttpWorkers | None = None) -> None:
+    def __init__(self, state: ServerState, workers: HttpWorkers | None = None,
+                 sock: socket.socket | None = None) -> None:
         self.state = state
         self.workers = workers  # --http-workers: they serve the port, this process their Unix socket
+        self.sock = sock  # the public port, bound before the engine starts (served here without workers)
         self.exit_code = EXIT_OK
         self._server: _DrainingServer | None = None
         self._start: asyncio.Task | None = None
@@ -119,7 +131,9 @@ class Lifecycle:
             timeout_keep_alive=30,
         )
         self._server = _DrainingServer(config, self)
-        self._server.run()
+        if self.workers is None and self.sock is not None:
+            log.info("listening on %s:%d", s.host, self.sock.getsockname()[1])
+        self._server.run(sockets=[self.sock] if self.workers is None and self.sock is not None else None)
         if self._start is not None and not self._start.done():
             # Stopped while vLLM was still starting: its start runs in a thread nothing can
             # cancel, which would keep the process alive; end its processes and exit now.
