@@ -13,7 +13,9 @@
          in flight (tokenizing, queued or prefilling) and live leases get up to
          --shutdown-timeout; what is still being prepared then is answered 503 (cut_off);
          then the server stops and exits 0, the tokenizer processes and the engine with
-         it, within --shutdown-timeout + a few seconds. A second SIGINT stops at once.
+         it. The process is gone within --shutdown-timeout + STOP_MARGIN seconds of the
+         signal: a teardown still running then (an engine that no longer answers) is cut
+         short, the engine's processes killed. A second SIGINT stops at once.
       5. the lifespan's end: the arena socket closes, live leases end, vLLM shuts down and
          the arena goes.
 
@@ -29,6 +31,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -55,6 +58,10 @@ EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 WATCH_INTERVAL = 0.5
 DRAIN_POLL = 0.05
 CUT_OFF_GRACE = 2.0  # after --shutdown-timeout: seconds for the cut-off requests' 503s and open bodies
+# The process is gone this many seconds after --shutdown-timeout, at the latest (the
+# manifests' grace periods cover the sum: tests/test_stop_budget.py).
+STOP_MARGIN = 10.0
+FORCE_RESERVE = 1.5  # of STOP_MARGIN: for killing the engine's processes and exiting
 
 
 def serve(settings: ServiceSettings, engine_args: Any, listener: Listener | None = None) -> int:
@@ -242,6 +249,21 @@ class Lifecycle:
                 self.fail("engine died")
                 return
 
+    def arm_stop_deadline(self) -> None:
+        """From the stop signal: gone within --shutdown-timeout + STOP_MARGIN, whatever
+        the teardown is waiting for."""
+        delay = self.state.settings.shutdown_timeout + STOP_MARGIN - FORCE_RESERVE
+        timer = threading.Timer(delay, self._force_exit, args=(delay,))
+        timer.daemon = True
+        timer.start()
+
+    def _force_exit(self, after: float) -> None:
+        log.error("still stopping %.0fs after the signal: killing the engine's processes and exiting", after)
+        _kill_children(wait=FORCE_RESERVE / 2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.exit_code)
+
     async def drain(self) -> None:
         st = self.state
         log.info("draining: up to %.0fs for in-flight requests", st.settings.shutdown_timeout)
@@ -263,7 +285,7 @@ class Lifecycle:
             self._server.should_exit = True
 
 
-def _kill_children() -> None:
+def _kill_children(wait: float = 5.0) -> None:
     import psutil
 
     children = psutil.Process().children(recursive=True)
@@ -272,7 +294,7 @@ def _kill_children() -> None:
             child.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(children, timeout=5)
+    psutil.wait_procs(children, timeout=wait)
 
 
 class _DrainingServer(uvicorn.Server):
@@ -296,4 +318,5 @@ class _DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         self._draining = True
+        self._lifecycle.arm_stop_deadline()
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._lifecycle.drain()))
