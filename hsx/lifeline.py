@@ -85,7 +85,9 @@ def _watch(pid: int, start: str) -> None:
     except (AttributeError, OSError):  # no pidfd here, or the owner is gone already
         fd = None
     if fd is not None and not _owner_gone(pid, start):  # the fd names the very process checked
-        select.select([fd], [], [])  # readable once the owner has exited
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll()  # readable once the owner has exited
     else:
         while not _owner_gone(pid, start):
             time.sleep(POLL_S)

@@ -1,8 +1,11 @@
 """The server's life, in one place: start, engine watchdog, SIGTERM drain, exit codes.
 
-    serve(settings, engine_args)
+    serve(settings, engine_args, listener)
+      0. the public port is bound first (service/cli.py binds it before vLLM is even
+         imported): a port in use is refused with exit 2 in about a second; from here on
+         every process this one starts dies with it (hsx/lifeline.py), even on SIGKILL;
       1. Extractor.prepare(): arena, notice channel, vLLM config; every check that can
-         refuse runs here, before the port opens (exit 2 with the reason);
+         refuse runs here, before the port is served (exit 2 with the reason);
       2. uvicorn serves the app at once (/health 200, /ready 503 "loading") while the
          lifespan starts vLLM in the background, loads the tokenizer and the final norm,
          runs the one-request self-test and opens the arena socket; then /ready is 200;

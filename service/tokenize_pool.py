@@ -31,6 +31,9 @@ from hsx_service.errors import BadInput, Overloaded, ServiceError, TooLarge
 from hsx_service.tokenize import Encoded, Tokenizer
 
 log = logging.getLogger("hsx.tokenize")
+# The forkserver preloads this module (_context): it dies with hsx serve at once, not after
+# its own slow exit (in the server itself this holds the lifeline of its owner, if any).
+lifeline.hold()
 
 _TOKENIZER: Tokenizer | None = None  # in each worker process
 

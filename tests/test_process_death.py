@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from _server import ServerProcess, engine_core, engine_env, eventually, frozen, metrics_async, wait_until
+from _server import ServerProcess, engine_core, engine_env, eventually, metrics_async, wait_until
 from conftest import need_vllm
 
 GONE_WITHIN = 10.0  # seconds for every descendant to go after its server was killed
@@ -80,6 +80,51 @@ async def test_sigkill_of_serve_takes_every_descendant(tiny_model, log_dir):
     finally:
         for p in _alive(psutil.Process(server.proc.pid).children(recursive=True) if server.proc.poll() is None else []):
             p.kill()
+        server.stop()
+
+
+# ------------------------------------------------------------------------------ SIGTERM: a bounded stop
+
+@pytest.mark.engine
+async def test_sigterm_with_a_wedged_engine_is_gone_within_timeout_plus_margin(tiny_model, log_dir):
+    """SIGTERM with requests in flight took 39 s at --shutdown-timeout 30 (the teardown
+    after the drain had no bound). Here the engine core is frozen from before the
+    requests to the end (an engine that no longer answers, the worst case): the requests
+    are cut off at the timeout, the teardown cannot finish, and the process must still be
+    gone within --shutdown-timeout + STOP_MARGIN, leaving no process behind."""
+    from hsx_service.lifecycle import STOP_MARGIN
+
+    need_vllm()
+    timeout = 2  # an int: vLLM 0.32 defines --shutdown-timeout itself, as an int
+    server = ServerProcess(str(tiny_model), "--dtype", "float32", "--max-model-len", "1024",
+                           "--shutdown-timeout", str(timeout), log_dir=log_dir, name="stop-budget").wait_ready()
+    prompts = [[1] + [7 + i] * 300 for i in range(4)]
+    core = engine_core(server)
+    descendants = psutil.Process(server.proc.pid).children(recursive=True)
+    try:
+        async with httpx.AsyncClient(timeout=120) as client:
+            core.suspend()
+            inflight = [asyncio.ensure_future(client.post(server.url + "/hidden_states", json={"input_ids": p}))
+                        for p in prompts]
+
+            async def all_admitted() -> bool:
+                return (await metrics_async(client, server.url)).get("hsx_queued_tokens") == sum(map(len, prompts))
+
+            await eventually(all_admitted, 30, "the requests admitted")
+            t0 = time.monotonic()
+            server.signal(signal.SIGTERM)
+            code = await asyncio.to_thread(server.proc.wait, timeout + STOP_MARGIN + 60)
+            took = time.monotonic() - t0
+            answers = await asyncio.gather(*inflight, return_exceptions=True)
+        assert took <= timeout + STOP_MARGIN, f"gone {took:.1f} s after SIGTERM (limit {timeout + STOP_MARGIN:.0f})"
+        assert code == 0, code
+        assert all(isinstance(a, httpx.HTTPError) or a.status_code == 503 for a in answers), answers
+        wait_until(lambda: not _alive(descendants), 5, "every process of the server gone")
+    finally:
+        try:
+            core.resume()
+        except psutil.NoSuchProcess:
+            pass
         server.stop()
 
 
