@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 from fastapi import FastAPI
@@ -68,8 +68,9 @@ FORCE_RESERVE = 1.5  # of STOP_MARGIN: for killing the engine's processes and ex
 
 
 def serve(settings: ServiceSettings, engine_args: Any, listener: Listener | None = None) -> int:
-    """`hsx serve` after parsing: returns the exit code. `listener`: the public port,
-    bound before parsing (service/cli.py); bound here otherwise."""
+    """`hsx serve` after parsing: returns the exit code of a refusal at start; once it
+    has served, the process exits here. `listener`: the public port, bound before
+    parsing (service/cli.py); bound here otherwise."""
     lifeline.mark_owner()  # every process started from here on dies with this one
     try:  # first: a port in use is refused before any arena or engine exists
         sock = (listener.socket_for(settings.host, settings.port) if listener is not None
@@ -99,7 +100,9 @@ def serve(settings: ServiceSettings, engine_args: Any, listener: Listener | None
     code = Lifecycle(state, workers, sock).run()
     if state.startup_error:  # the cause as the last line, not a hundred lines above
         print(f"hsx serve: error: {state.startup_error}", file=sys.stderr)
-    return code
+    # The lifespan has stopped everything; the interpreter's own teardown of vLLM and
+    # torch took seconds more, past the stop margin (--shutdown-timeout + STOP_MARGIN).
+    _exit_now(code)
 
 
 def start_failure(exc: BaseException) -> str:
@@ -149,9 +152,7 @@ class Lifecycle:
             # cancel, which would keep the process alive; end its processes and exit now.
             log.warning("stopped while the engine was starting")
             _kill_children()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(self.exit_code)
+            _exit_now(self.exit_code)
         return self.exit_code
 
     def fail(self, reason: str) -> None:
@@ -263,9 +264,7 @@ class Lifecycle:
     def _force_exit(self, after: float) -> None:
         log.error("still stopping %.0fs after the signal: killing the engine's processes and exiting", after)
         _kill_children(wait=FORCE_RESERVE / 2)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(self.exit_code)
+        _exit_now(self.exit_code)
 
     async def drain(self) -> None:
         st = self.state
@@ -286,6 +285,13 @@ class Lifecycle:
                 await asyncio.sleep(DRAIN_POLL)
         if self._server is not None:
             self._server.should_exit = True
+
+
+def _exit_now(code: int) -> NoReturn:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _kill_children(wait: float = 5.0) -> None:

@@ -128,6 +128,35 @@ async def test_sigterm_with_a_wedged_engine_is_gone_within_timeout_plus_margin(t
         server.stop()
 
 
+FOREVER_TEARDOWN = textwrap.dedent("""
+    import subprocess, sys, time, types
+    from hsx_service import lifecycle
+
+    lifecycle.STOP_MARGIN, lifecycle.FORCE_RESERVE = 1.0, 0.5
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # stands for vLLM's
+    state = types.SimpleNamespace(settings=types.SimpleNamespace(shutdown_timeout=0.5))
+    lifecycle.Lifecycle(state).arm_stop_deadline()  # as the stop signal does
+    print(engine.pid, flush=True)
+    time.sleep(120)  # a teardown that never ends
+""")
+
+
+@pytest.mark.slow  # imports the server (fastapi, uvicorn) in a child: ~3 s
+def test_a_teardown_that_never_ends_is_cut_short_at_the_stop_margin():
+    """The deadline's own path (the engine test above stops within it by itself): at
+    --shutdown-timeout + STOP_MARGIN the process exits with its code, its children killed."""
+    proc = subprocess.Popen([sys.executable, "-c", FOREVER_TEARDOWN], stdout=subprocess.PIPE, text=True)
+    try:
+        engine = psutil.Process(int(proc.stdout.readline()))
+        t0 = time.monotonic()
+        code = proc.wait(60)
+        took = time.monotonic() - t0
+        assert code == 0 and took < 0.5 + 1.0 + 1.0, (code, took)
+        wait_until(lambda: not _alive([engine]), 5, "the engine's stand-in killed")
+    finally:
+        proc.kill()
+
+
 # ------------------------------------------------------------------------------ a tool that owns a server
 
 OWNER = textwrap.dedent("""
