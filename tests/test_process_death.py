@@ -52,6 +52,52 @@ def _describe(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
+# ------------------------------------------------------------------------------ the lifeline itself
+
+LIFELINE_OWNER = textwrap.dedent("""
+    import multiprocessing, os, subprocess, sys, time
+    from hsx import lifeline
+
+    def forked_then_fork_again(queue):  # as vLLM's engine core starts its worker
+        grandchild = os.fork()
+        if grandchild == 0:
+            time.sleep(120)
+            os._exit(0)
+        queue.put(grandchild)
+        time.sleep(120)
+
+    if __name__ == "__main__":
+        lifeline.mark_owner()
+        queue = multiprocessing.get_context("fork").SimpleQueue()
+        forked = multiprocessing.get_context("fork").Process(target=forked_then_fork_again, args=(queue,))
+        forked.start()
+        execed = subprocess.Popen([sys.executable, "-c",  # as the HTTP workers start
+                                   "from hsx import lifeline; lifeline.hold(); import time; time.sleep(120)"],
+                                  start_new_session=True)
+        print(forked.pid, queue.get(), execed.pid, flush=True)
+        time.sleep(120)
+""")
+
+
+def test_a_lifeline_takes_forked_grandchildren_and_execed_children(tmp_path):
+    """Without vLLM: a forked child, its own forked child (it watches the owner, not its
+    parent) and an exec'd child that holds the lifeline all go when the owner is SIGKILLed."""
+    script = tmp_path / "owner.py"
+    script.write_text(LIFELINE_OWNER)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    children: list[psutil.Process] = []
+    try:
+        children = [psutil.Process(int(pid)) for pid in owner.stdout.readline().split()]
+        assert len(children) == 3
+        time.sleep(0.5)  # the exec'd one is past its import of hsx
+        owner.kill()
+        owner.wait(10)
+        wait_until(lambda: not _alive(children), 5, f"{_describe(_alive(children))} gone with their owner")
+    finally:
+        for p in _alive(children):
+            p.kill()
+
+
 # ------------------------------------------------------------------------------ SIGKILL of hsx serve
 
 @pytest.mark.engine
