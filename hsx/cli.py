@@ -25,6 +25,9 @@ commands:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hsx import lifeline
+
+    lifeline.hold()  # started by a tool that owns this process (hsx bench, hsx demo): die with it
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

@@ -3,18 +3,33 @@
 One helper for everything that runs a server of its own: `hsx bench`, `hsx demo` and the
 tests. The child leads its own session, so `stop()` takes vLLM's engine processes down
 with it (they live in the server's process group).
+
+The tool that starts a server owns its death (`own`): SIGTERM / SIGHUP to the tool raise
+SystemExit, so its `finally: server.stop()` runs (SIGINT does so as KeyboardInterrupt),
+an exit without one stops what is left (atexit), and a tool killed outright (SIGKILL)
+takes the server with it through the lifeline (hsx/lifeline.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from hsx import lifeline
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+EXIT_STOP_GRACE = 30.0  # seconds the servers still running at exit get to drain
+
+_owned: list[subprocess.Popen] = []
+_signals_owned = False
 
 
 class ServerStartError(RuntimeError):
@@ -27,9 +42,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def own(proc: subprocess.Popen) -> None:
+    """`proc` (leading its own session) is stopped when this process is: see the module
+    docstring."""
+    global _signals_owned
+    _owned.append(proc)
+    if _signals_owned or threading.current_thread() is not threading.main_thread():
+        return
+    _signals_owned = True
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is signal.SIG_DFL:  # a handler of the tool's own stays
+            signal.signal(sig, _exit_on_signal)
+    atexit.register(_stop_owned)
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the tool's `finally: server.stop()`
+
+
+def _stop_owned() -> None:
+    """At exit: SIGTERM every owned process still running at once, so they drain side by
+    side, then `stop_process_group` each."""
+    live = [p for p in _owned if p.poll() is None]
+    for proc in live:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + EXIT_STOP_GRACE
+    for proc in live:
+        stop_process_group(proc, max(0.0, deadline - time.monotonic()))
+
+
 def stop_process_group(proc: subprocess.Popen, grace: float) -> None:
     """SIGTERM `proc`, give it `grace` seconds, then SIGKILL its whole process group (it
     must lead its own session: `start_new_session=True`)."""
+    if proc in _owned:
+        _owned.remove(proc)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -88,7 +134,9 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env if env is not None else dict(os.environ), start_new_session=True)
+                                     env=lifeline.child_env(env if env is not None else dict(os.environ)),
+                                     start_new_session=True)
+        own(self.proc)
 
     def log_tail(self, n: int = 60) -> str:
         try:

@@ -79,9 +79,33 @@ def parse(argv: list[str]):
     return settings, engine_args
 
 
+def early_address(argv: list[str]) -> tuple[str, int] | None:
+    """--host / --port (flag > HSX_HOST / HSX_PORT > default) read without vLLM's parser;
+    None where they do not parse here or help is asked for (`parse` then answers)."""
+    if any(a in ("-h", "--help") or a.startswith("--help=") for a in argv):
+        return None
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--host")
+    parser.add_argument("--port")
+    try:
+        known, _ = parser.parse_known_args(argv)
+        host = known.host or os.environ.get(env_name("host")) or ServiceSettings.model_fields["host"].default
+        port = int(known.port or os.environ.get(env_name("port")) or ServiceSettings.model_fields["port"].default)
+    except (argparse.ArgumentError, ValueError):
+        return None
+    return (host, port) if 0 <= port <= 65535 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    listener = None
     try:
+        # The port first, before vLLM is imported: one in use is refused in a second.
+        address = early_address(shlex.split(os.environ.get("HSX_ENGINE_ARGS", "")) + list(argv))
+        if address is not None:
+            from hsx_service.fronts import Listener
+
+            listener = Listener(*address)
         settings, engine_args = parse(argv)
     except (StartupError, ValueError) as exc:  # ValueError: pydantic's check of HSX_* / flags
         print(f"hsx serve: error: {exc}", file=sys.stderr)
@@ -92,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from hsx_service.lifecycle import serve
 
     cpu_kv_cache_default(argv + shlex.split(os.environ.get("HSX_ENGINE_ARGS", "")))
-    return serve(settings, engine_args)
+    return serve(settings, engine_args, listener)
 
 
 KV_CACHE_FRACTION = 0.25  # of the memory free at start, for vLLM CPU's KV cache when nothing says

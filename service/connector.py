@@ -65,6 +65,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
+from hsx import lifeline
 from hsx_service import hidden_cache, vllm_compat
 from hsx_service.arena import SharedArena
 
@@ -76,6 +77,7 @@ if TYPE_CHECKING:
 # Under vLLM's logger tree: this code runs in vLLM's engine and worker processes, where
 # only that tree is configured (VLLM_LOGGING_LEVEL), not the root logger.
 logger = init_logger(f"vllm.{__name__}")
+lifeline.hold()  # this engine process dies with hsx serve (also vLLM's general plugin; here should VLLM_PLUGINS omit it)
 
 PARAMS_KEY = "hsx"  # kv_transfer_params[PARAMS_KEY] = {"key", "offset", "nbytes", "layers"}
 LOG_EVERY = 256

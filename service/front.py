@@ -43,6 +43,7 @@ from contextlib import contextmanager
 import httpx
 import uvicorn
 
+from hsx import lifeline
 from hsx.dtypes import BY_ST
 from hsx.wire import LEASE_MEDIA_TYPE, TensorSpec, WireFormatError, check_body, lease_of
 from hsx_service.admission import AdmissionGate
@@ -367,6 +368,7 @@ class _WorkerServer(uvicorn.Server):
 
 
 def main() -> int:
+    lifeline.hold()  # dies with the engine process, however that one ends (its stdin closing is the polite way)
     cfg = json.loads(os.environ.pop(CONFIG_ENV))
     settings = ServiceSettings(**cfg["settings"])
     logging.basicConfig(level=settings.log_level.upper(),

@@ -1,7 +1,7 @@
 """The HTTP workers of the engine process (`--http-workers`): start, watch, stop.
 
 The engine process binds the public port itself (so a port in use is refused at start,
-exit 2) and hands the listening socket to each worker (front.py), which serve it side
+exit 2: Listener) and hands the listening socket to each worker (front.py), which serve it side
 by side; it listens only on a Unix socket in a private directory for them. A worker
 that dies is replaced (its worker leases end with its arena session); workers that
 keep dying right after their start stop the server (exit 1: the orchestrator sees it).
@@ -59,12 +59,29 @@ def bind_public(host: str, port: int) -> socket.socket:
     return sock
 
 
+class Listener:
+    """The public port, bound as `hsx serve` starts (service/cli.py: before vLLM is even
+    imported), so a port in use is refused in a second with exit 2, not after the
+    engine's start; the server then serves this very socket."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.sock = bind_public(host, port)
+
+    def socket_for(self, host: str, port: int) -> socket.socket:
+        """The socket for the address the settings name (bound again should they differ)."""
+        if (host, port) != (self.host, self.port):
+            self.sock.close()
+            self.host, self.port, self.sock = host, port, bind_public(host, port)
+        return self.sock
+
+
 class HttpWorkers:
-    def __init__(self, count: int, settings: ServiceSettings) -> None:
+    def __init__(self, count: int, settings: ServiceSettings, sock: socket.socket | None = None) -> None:
         self.count = count
         self.settings = settings
         self.token = secrets.token_urlsafe(32)  # the workers' key on the engine process (app.py)
-        self.sock = bind_public(settings.host, settings.port)
+        self.sock = sock if sock is not None else bind_public(settings.host, settings.port)
         self.dir = tempfile.mkdtemp(prefix="hsx-engine-")  # 0700: only this user reaches the socket
         self.upstream = os.path.join(self.dir, "engine.sock")
         # The compression threads of the whole server, shared out (--compress-threads is per worker).

@@ -1,8 +1,11 @@
 """The server's life, in one place: start, engine watchdog, SIGTERM drain, exit codes.
 
-    serve(settings, engine_args)
+    serve(settings, engine_args, listener)
+      0. the public port is bound first (service/cli.py binds it before vLLM is even
+         imported): a port in use is refused with exit 2 in about a second; from here on
+         every process this one starts dies with it (hsx/lifeline.py), even on SIGKILL;
       1. Extractor.prepare(): arena, notice channel, vLLM config; every check that can
-         refuse runs here, before the port opens (exit 2 with the reason);
+         refuse runs here, before the port is served (exit 2 with the reason);
       2. uvicorn serves the app at once (/health 200, /ready 503 "loading") while the
          lifespan starts vLLM in the background, loads the tokenizer and the final norm,
          runs the one-request self-test and opens the arena socket; then /ready is 200;
@@ -13,7 +16,9 @@
          in flight (tokenizing, queued or prefilling) and live leases get up to
          --shutdown-timeout; what is still being prepared then is answered 503 (cut_off);
          then the server stops and exits 0, the tokenizer processes and the engine with
-         it, within --shutdown-timeout + a few seconds. A second SIGINT stops at once.
+         it. The process is gone within --shutdown-timeout + STOP_MARGIN seconds of the
+         signal: a teardown still running then (an engine that no longer answers) is cut
+         short, the engine's processes killed. A second SIGINT stops at once.
       5. the lifespan's end: the arena socket closes, live leases end, vLLM shuts down and
          the arena goes.
 
@@ -27,19 +32,22 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 from fastapi import FastAPI
 
+from hsx import lifeline
 from hsx_service.app import ServerState, create_app
 from hsx_service.engine import Extractor
 from hsx_service import vllm_compat
 from hsx_service.errors import StartupError
-from hsx_service.fronts import HttpWorkers, resolve_count
+from hsx_service.fronts import HttpWorkers, Listener, resolve_count
 from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import sample_loop_lag
 from hsx_service.norm import load_final_norm
@@ -53,10 +61,23 @@ EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 WATCH_INTERVAL = 0.5
 DRAIN_POLL = 0.05
 CUT_OFF_GRACE = 2.0  # after --shutdown-timeout: seconds for the cut-off requests' 503s and open bodies
+# The process is gone this many seconds after --shutdown-timeout, at the latest (the
+# manifests' grace periods cover the sum: tests/test_stop_budget.py).
+STOP_MARGIN = 10.0
+FORCE_RESERVE = 1.5  # of STOP_MARGIN: for killing the engine's processes and exiting
 
 
-def serve(settings: ServiceSettings, engine_args: Any) -> int:
-    """`hsx serve` after parsing: returns the exit code."""
+def serve(settings: ServiceSettings, engine_args: Any, listener: Listener | None = None) -> int:
+    """`hsx serve` after parsing: returns the exit code of a refusal at start; once it
+    has served, the process exits here. `listener`: the public port, bound before
+    parsing (service/cli.py); bound here otherwise."""
+    lifeline.mark_owner()  # every process started from here on dies with this one
+    try:  # first: a port in use is refused before any arena or engine exists
+        sock = (listener.socket_for(settings.host, settings.port) if listener is not None
+                else Listener(settings.host, settings.port).sock)
+    except StartupError as exc:
+        print(f"hsx serve: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     extractor = Extractor(settings, engine_args)
     try:
         extractor.prepare()
@@ -67,7 +88,7 @@ def serve(settings: ServiceSettings, engine_args: Any) -> int:
     state = ServerState(settings=settings, extractor=extractor)
     try:
         count = resolve_count(settings.http_workers, vllm_compat.is_cpu_backend())
-        workers = HttpWorkers(count, settings) if count else None
+        workers = HttpWorkers(count, settings, sock) if count else None
     except StartupError as exc:
         extractor.shutdown()
         print(f"hsx serve: error: {exc}", file=sys.stderr)
@@ -76,10 +97,12 @@ def serve(settings: ServiceSettings, engine_args: Any) -> int:
         state.http_workers = count
         state.front_token = workers.token
         state.metrics.http_workers.set_function(lambda: workers.alive)
-    code = Lifecycle(state, workers).run()
+    code = Lifecycle(state, workers, sock).run()
     if state.startup_error:  # the cause as the last line, not a hundred lines above
         print(f"hsx serve: error: {state.startup_error}", file=sys.stderr)
-    return code
+    # The lifespan has stopped everything; the interpreter's own teardown of vLLM and
+    # torch took seconds more, past the stop margin (--shutdown-timeout + STOP_MARGIN).
+    _exit_now(code)
 
 
 def start_failure(exc: BaseException) -> str:
@@ -100,9 +123,11 @@ def start_failure(exc: BaseException) -> str:
 
 
 class Lifecycle:
-    def __init__(self, state: ServerState, workers: HttpWorkers | None = None) -> None:
+    def __init__(self, state: ServerState, workers: HttpWorkers | None = None,
+                 sock: socket.socket | None = None) -> None:
         self.state = state
         self.workers = workers  # --http-workers: they serve the port, this process their Unix socket
+        self.sock = sock  # the public port, bound before the engine starts (served here without workers)
         self.exit_code = EXIT_OK
         self._server: _DrainingServer | None = None
         self._start: asyncio.Task | None = None
@@ -119,15 +144,15 @@ class Lifecycle:
             timeout_keep_alive=30,
         )
         self._server = _DrainingServer(config, self)
-        self._server.run()
+        if self.workers is None and self.sock is not None:
+            log.info("listening on %s:%d", s.host, self.sock.getsockname()[1])
+        self._server.run(sockets=[self.sock] if self.workers is None and self.sock is not None else None)
         if self._start is not None and not self._start.done():
             # Stopped while vLLM was still starting: its start runs in a thread nothing can
             # cancel, which would keep the process alive; end its processes and exit now.
             log.warning("stopped while the engine was starting")
             _kill_children()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(self.exit_code)
+            _exit_now(self.exit_code)
         return self.exit_code
 
     def fail(self, reason: str) -> None:
@@ -228,6 +253,19 @@ class Lifecycle:
                 self.fail("engine died")
                 return
 
+    def arm_stop_deadline(self) -> None:
+        """From the stop signal: gone within --shutdown-timeout + STOP_MARGIN, whatever
+        the teardown is waiting for."""
+        delay = self.state.settings.shutdown_timeout + STOP_MARGIN - FORCE_RESERVE
+        timer = threading.Timer(delay, self._force_exit, args=(delay,))
+        timer.daemon = True
+        timer.start()
+
+    def _force_exit(self, after: float) -> None:
+        log.error("still stopping %.0fs after the signal: killing the engine's processes and exiting", after)
+        _kill_children(wait=FORCE_RESERVE / 2)
+        _exit_now(self.exit_code)
+
     async def drain(self) -> None:
         st = self.state
         log.info("draining: up to %.0fs for in-flight requests", st.settings.shutdown_timeout)
@@ -249,7 +287,14 @@ class Lifecycle:
             self._server.should_exit = True
 
 
-def _kill_children() -> None:
+def _exit_now(code: int) -> NoReturn:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _kill_children(wait: float = 5.0) -> None:
     import psutil
 
     children = psutil.Process().children(recursive=True)
@@ -258,7 +303,7 @@ def _kill_children() -> None:
             child.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(children, timeout=5)
+    psutil.wait_procs(children, timeout=wait)
 
 
 class _DrainingServer(uvicorn.Server):
@@ -282,4 +327,5 @@ class _DrainingServer(uvicorn.Server):
             self.should_exit = True
             return
         self._draining = True
+        self._lifecycle.arm_stop_deadline()
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._lifecycle.drain()))

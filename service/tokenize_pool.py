@@ -25,10 +25,15 @@ from typing import Any
 
 from pebble import ProcessExpired, ProcessPool
 
+from hsx import lifeline
+
 from hsx_service.errors import BadInput, Overloaded, ServiceError, TooLarge
 from hsx_service.tokenize import Encoded, Tokenizer
 
 log = logging.getLogger("hsx.tokenize")
+# The forkserver preloads this module (_context): it dies with hsx serve at once, not after
+# its own slow exit (in the server itself this holds the lifeline of its owner, if any).
+lifeline.hold()
 
 _TOKENIZER: Tokenizer | None = None  # in each worker process
 
@@ -36,6 +41,7 @@ _TOKENIZER: Tokenizer | None = None  # in each worker process
 def _init_worker(name: str, revision: str | None, trust_remote_code: bool, template: str | None,
                  memory: int) -> None:
     global _TOKENIZER
+    lifeline.hold()  # dies with hsx serve, however that one ends
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the server; the pool stops with it
     _TOKENIZER = Tokenizer(name, revision, trust_remote_code, template)
     # RLIMIT_DATA (Linux >= 4.7: heap and private writable mappings), not RLIMIT_AS: the

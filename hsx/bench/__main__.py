@@ -2,6 +2,9 @@
 
 import sys
 
+from hsx import lifeline
 from hsx.bench.cli import main
+
+lifeline.hold()  # a worker dies with the hsx bench that started it (hsx/lifeline.py)
 
 sys.exit(main(sys.argv[1:]))

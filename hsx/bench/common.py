@@ -14,6 +14,8 @@ from typing import Any
 
 import psutil
 
+from hsx import lifeline
+
 _T0 = float(os.environ.get("HSX_BENCH_T0") or time.time())  # children log on the parent's clock
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,6 +102,7 @@ def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[in
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["HSX_BENCH_T0"] = str(_T0)
+    env = lifeline.child_env(env)  # every child of hsx bench dies with it (hsx/lifeline.py)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on the CPU backend; ignored on GPUs
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # the hsx packages must import in the children wherever this one found them

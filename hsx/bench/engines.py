@@ -16,7 +16,7 @@ from typing import Any
 
 from hsx.bench.common import child_env, fmt_bytes, log, make_prompts, versions
 from hsx.bench.memory import TreeSampler
-from hsx.server_process import stop_process_group
+from hsx.server_process import own, stop_process_group
 
 
 def engine_kwargs(model: str, flags: list[str]) -> dict[str, Any]:
@@ -155,6 +155,7 @@ def run_engine_mode(mode: str, ctx: dict[str, Any], workdir: Path, timeout: floa
     Path(cfg["result"]).unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "hsx.bench", "--worker", str(cfg_path)], env=child_env(),
                             start_new_session=True)
+    own(proc)
     sampler = TreeSampler(proc.pid).start()
     deadline, rc, got = time.monotonic() + timeout, None, None
     try:

@@ -144,7 +144,7 @@ def _start_server(sizes: list[int], encodings: list[str]):
     from hsx.server_process import free_port
 
     port = free_port()
-    code = ("import json; from hsx.bench.transport_server import serve; "
+    code = ("import json; from hsx import lifeline; lifeline.hold(); from hsx.bench.transport_server import serve; "
             f"serve({port}, {sizes!r}, {encodings!r}, lambda w: print(json.dumps(w), flush=True))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(), text=True)
     assert proc.stdout is not None

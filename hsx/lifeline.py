@@ -1,0 +1,110 @@
+"""A lifeline: the processes hsx starts die with the process that owns them.
+
+`hsx serve` owns its vLLM engine core and that one's workers, its tokenizer processes and
+its HTTP workers; `hsx bench` and `hsx demo` own the `hsx serve` they start. An owner
+killed outright (SIGKILL: an OOM killer, a supervisor's hard kill) runs no clean-up, and
+its children used to live on with parent 1, holding memory and GPUs.
+
+The owner names itself in HSX_LIFELINE (`pid:start time`, so a reused pid is not taken
+for it: `mark_owner` / `child_env`) before it starts children; every process that
+inherits the variable and calls `hold()` watches that pid from a daemon thread (a pidfd,
+else polling) and SIGKILLs itself when the owner is gone. The variable passes through
+every way a child is started (fork, spawn, forkserver, exec), and a grandchild watches
+the owner itself, not its parent, so no chain of parents has to hold.
+
+Where `hold()` runs: in every forked child of a process that imported this module
+(os.register_at_fork: vLLM's default start method on CPU, the tokenizer pool's
+forkserver children); in every process vLLM starts, as a vLLM general plugin (the entry
+point `vllm.general_plugins` in pyproject.toml, which vLLM runs in its engine core and
+worker processes; spawn is vLLM's method with CUDA); on import of hsx's KV connector
+(loaded in every engine process, should VLLM_PLUGINS leave the plugin out); at the start
+of the tokenizer processes, the HTTP workers and `hsx serve` itself.
+
+Not PR_SET_PDEATHSIG: it fires when the *thread* that created the child ends (hsx serve
+starts vLLM from a worker thread), names only the direct parent, and must run in the
+child before anything else; vLLM's own code creates these children.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+
+ENV = "HSX_LIFELINE"
+POLL_S = 0.5  # where no pidfd can be opened (kernel < 5.3, not Linux)
+
+_holding_in: int | None = None  # the pid whose watcher thread runs (a forked child has none)
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot, /proc/PID/stat field 22); None
+    once it has ended (gone, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
+
+
+def token(pid: int) -> str:
+    return f"{pid}:{_start_time(pid) or ''}"
+
+
+def mark_owner() -> None:
+    """Children started from now on (and theirs) die with this process."""
+    os.environ[ENV] = token(os.getpid())
+
+
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a child that must die with this process."""
+    return {**env, ENV: token(os.getpid())}
+
+
+def _owner_gone(pid: int, start: str) -> bool:
+    if os.path.exists("/proc/self/stat"):
+        now = _start_time(pid)
+        return now is None or (bool(start) and now != start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
+def _watch(pid: int, start: str) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd here, or the owner is gone already
+        fd = None
+    if fd is not None and not _owner_gone(pid, start):  # the fd names the very process checked
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll()  # readable once the owner has exited
+    else:
+        while not _owner_gone(pid, start):
+            time.sleep(POLL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold() -> None:
+    """Die with the owner named in HSX_LIFELINE. Does nothing without one, in the owner
+    itself, or where this process already holds it; safe to call any number of times."""
+    global _holding_in
+    value = os.environ.get(ENV, "")
+    pid_text, _, start = value.partition(":")
+    if not pid_text.isdigit() or int(pid_text) == os.getpid() or _holding_in == os.getpid():
+        return
+    _holding_in = os.getpid()
+    threading.Thread(target=_watch, args=(int(pid_text), start), name="hsx-lifeline", daemon=True).start()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=hold)
