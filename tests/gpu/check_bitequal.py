@@ -84,6 +84,9 @@ def vllm_own_path(model: str, dtype: str, layers: list[int], prompts: list[list[
         d = load_hidden_states(o.kv_transfer_params["hidden_states_path"])
         got.append({"hidden_states": d["hidden_states"].clone(), "token_ids": d["token_ids"].clone()})
     torch.save(got, out)
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):  # os._exit below would leave the engine core orphaned
+        core.shutdown()
     sys.stdout.flush()
     os._exit(0)  # the stock connector's writer threads can hold interpreter exit
 
