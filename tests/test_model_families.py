@@ -114,3 +114,62 @@ def test_hybrid_refused_where_unverified(hybrid_model):
     r = _serve(str(hybrid_model), "--dtype", "bfloat16")
     assert r.returncode == 2, r.stderr[-2000:]
     assert "hsx has not verified its hidden states" in r.stderr and "--allow-unverified-hybrid" in r.stderr
+
+
+# ------------------------------------------------------------------------------ MLA (DeepSeek-V3)
+
+MLA_LAYERS = list(range(1, NUM_LAYERS + 1))  # id 0 is refused for DeepSeek (test_deepseek_layer_zero_refused)
+
+
+@pytest.fixture(scope="module")
+def deepseek_model(tmp_path_factory):
+    from hsx.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-deepseek-v3", "deepseek_v3",
+                           num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def deepseek_server(deepseek_model, log_dir):
+    """vLLM's CPU backend turns chunked prefill and prefix caching off for MLA models."""
+    need_vllm()
+    server = ServerProcess(str(deepseek_model), "--dtype", "float32", "--max-model-len", "1024",
+                           "--layers", ",".join(map(str, MLA_LAYERS)), log_dir=log_dir, name="deepseek")
+    yield server.wait_ready()
+    server.stop()
+
+
+async def test_tiny_deepseek_v3_every_layer_matches_transformers(deepseek_server, deepseek_model):
+    # MLA attention, sigmoid noaux_tc routing with its selection bias, a shared expert and a
+    # dense first layer: the states come from the residual stream, whatever the attention.
+    info = httpx.get(deepseek_server.url + "/info").json()
+    assert info["architecture"] == "DeepseekV3ForCausalLM" and info["layer_ids"] == MLA_LAYERS
+    prompts, rs = await _post_random(deepseek_server, 2)
+    assert max(map(len, prompts)) > 300
+    worst, worst_delta = check_responses(rs, prompts, deepseek_model, MLA_LAYERS, FP32_TOL, FP32_TOL)
+    print(f"\ntiny DeepSeek-V3 (MLA, 8 routed + 1 shared experts, fp32): 16 concurrent requests, "
+          f"worst relative error {worst:.2e}, of a layer's contribution {worst_delta:.2e}")
+
+
+def test_deepseek_layer_zero_refused(deepseek_model):
+    """vLLM's DeepSeek forward dies on id 0 (residual None before the first layer): refused at start."""
+    need_vllm()
+    r = _serve(str(deepseek_model), "--dtype", "float32", "--layers", "0,4")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "id 0 (the embeddings) cannot be captured from DeepseekV3ForCausalLM" in r.stderr
+
+
+def test_engine_start_failure_quotes_the_engines_exception(tmp_path):
+    """vLLM's own exception, printed by its engine process, is hsx's last line (not a
+    guess, and not "See root cause above" 130 lines below it)."""
+    from hsx.tiny_model import make_tiny_model
+
+    need_vllm()
+    model = make_tiny_model(tmp_path / "head-dim-96", "deepseek_v3", num_layers=1,
+                            mla=dict(kv_lora_rank=32, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=32))
+    r = _serve(str(model), "--dtype", "float32", "--layers", "1", "--enforce-eager")
+    assert r.returncode == 1, r.stderr[-3000:]
+    # multiprocessing's resource tracker may warn after hsx has exited: not hsx's line
+    lines = [ln for ln in r.stderr.strip().splitlines() if "resource_tracker" not in ln]
+    last = lines[-1]
+    assert last.startswith("hsx serve: error:") and "Head dimension 96 is not supported by MLA" in last, last
