@@ -179,10 +179,11 @@ def make_tiny_model(
     cfg = json.loads((out / "config.json").read_text())
     cfg["torch_dtype"] = dtype
     if family == "deepseek_v3":
-        # Read by vLLM (transformers' config has no such field): sigmoid scores with the
-        # e_score_correction_bias, as DeepSeek-V3 and Kimi-K2 ship; without it vLLM's
-        # loader has no place for that bias.
-        cfg["topk_method"] = "noaux_tc"
+        # Read by vLLM, absent from transformers' config (which always routes this way):
+        # sigmoid scores with the e_score_correction_bias choosing experts, as DeepSeek-V3 and
+        # Kimi-K2 ship. Without topk_method vLLM's loader has no place for the bias; without
+        # scoring_func vLLM routes by softmax.
+        cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 

@@ -112,6 +112,30 @@ def check_layer_zero(model_cls: Any, arch: str, layers: list[int]) -> None:
         )
 
 
+def avoid_wrong_cpu_rope(model_config: Any, engine_args: Any, arch: str) -> None:
+    """MLA on the CPU backend: where vLLM's CPU rotary kernel rotates MLA's query/key views
+    wrongly (hsx_service.rope_probe), vLLM's PyTorch formula is used instead (the custom op off)."""
+    if not (vllm_compat.is_cpu_backend() and getattr(model_config, "use_mla", False)):
+        return
+    from hsx_service.rope_probe import mla_rope_error
+
+    err = mla_rope_error()
+    if err <= 1e-4:
+        return
+    cc = engine_args.compilation_config
+    ops = cc.get("custom_ops", []) if isinstance(cc, dict) else cc.custom_ops
+    if "+rotary_embedding" in ops:
+        raise StartupError(
+            f"{arch} (MLA) with the rotary_embedding custom op on: this vLLM's CPU rotary kernel rotates MLA's query "
+            f"and key views wrongly (relative error {err:.2f} on a test tensor), so the hidden states would be wrong"
+        )
+    ops.append("-rotary_embedding")
+    if isinstance(cc, dict):
+        cc["custom_ops"] = ops
+    log.info("%s (MLA) on the CPU backend: rotary embedding by vLLM's PyTorch formula (its CPU kernel rotates "
+             "MLA's query and key views wrongly: relative error %.2f on a test tensor)", arch, err)
+
+
 @dataclass
 class ModelFacts:
     model: str
@@ -178,6 +202,7 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
     n = int(text_config.num_hidden_layers)
     layers = resolve_layers(settings.layers, n)
     check_layer_zero(model_cls, arch, layers)
+    avoid_wrong_cpu_rope(model_config, engine_args, arch)
 
     engine_args.speculative_config = {
         "method": "extract_hidden_states",
