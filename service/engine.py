@@ -366,7 +366,7 @@ class Extractor:
                     stat_loggers=[self.stats.logger_factory()],
                 )
         except Exception as exc:
-            said = self.engine_said()
+            said = await asyncio.to_thread(self.engine_said)  # waits for the children's last output
             if said:  # vLLM's own message says only "See root cause above"
                 raise StartupError(f"the vLLM engine failed to start{said}") from exc
             raise
@@ -385,7 +385,7 @@ class Extractor:
             await self.extract(ids, layers, reservation, f"hsx-self-test-{uuid.uuid4().hex[:8]}",
                                timeout=max(self.settings.request_timeout, SELF_TEST_TIMEOUT))
         except EngineFailure as exc:
-            said = self.engine_said()
+            said = await asyncio.to_thread(self.engine_said)
             raise StartupError(
                 f"self-test failed: {exc}{said}" if said else
                 f"self-test failed: {exc}. The architecture may not expose layers {self.facts.layer_ids} "

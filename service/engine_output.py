@@ -113,8 +113,10 @@ class ChildOutput:
             if not chunk:
                 break
             self._last_read = time.monotonic()
+            view = memoryview(chunk)
             try:
-                os.write(out_fd, chunk)  # a short write on a blocking fd happens only on errors
+                while view:  # a blocking write can still be cut short by a signal
+                    view = view[os.write(out_fd, view):]
             except OSError:
                 pass
             if len(self._found) >= MAX_KEPT:
