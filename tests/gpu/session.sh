@@ -114,6 +114,8 @@ mla)
     runner=$(expected_runner)
     python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" --extra-model /tmp/tiny-deepseek-v3 \
         --extra-quantization fp8 --json "$out/check-mla-$ver.json" 2>&1 | tee "$out/check-mla-$ver.log"
+    # Which MLA / prefill / MoE backends vLLM picked, from the servers' logs.
+    grep -hiE "backend|quantiz" /tmp/hsx-gpu-check-*/tiny-deepseek-v3*.log > "$out/mla-backends-$ver.txt" || true
     ;;
 bench)
     # shellcheck disable=SC1091
