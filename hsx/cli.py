@@ -17,7 +17,7 @@ commands:
   merge OUT SHARD_DIR...                          one corpus from the shards of `extract --shard I/N`
   demo                                            tiny CPU model + server + extract, end to end
   bench                                           benchmark against plain prefill and vLLM's file path
-  make-tiny-model DIR [--family F]                write a small random model (llama, qwen3_moe, qwen3_next)
+  make-tiny-model DIR [--family F]                write a small random model (llama, qwen3_moe, qwen3_next, deepseek_v3)
   quantize-tiny-model SRC DST --scheme S          FP8-block or W4A16 copy of a small model, and its dequantized twin
 
 `hsx COMMAND --help` for a command's flags.

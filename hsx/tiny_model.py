@@ -1,9 +1,10 @@
 """Make a small random-weight model with a real tokenizer, offline (transformers + torch only).
 
 Families: `llama` (dense; `hsx demo`, the tests and the benchmark, which asks for a
-bigger one: 16 layers x 2048 hidden), `qwen3_moe` (a mixture of experts) and
+bigger one: 16 layers x 2048 hidden), `qwen3_moe` (a mixture of experts),
 `qwen3_next` (a hybrid: Gated DeltaNet linear-attention layers, one full-attention
-layer in four, MoE MLPs). The tokenizer is a byte-level BPE trained here on a short
+layer in four, MoE MLPs) and `deepseek_v3` (the DeepSeek-V3 / Kimi-K2 architecture:
+MLA attention, sigmoid `noaux_tc` routing over routed + 1 shared expert, first layer dense). The tokenizer is a byte-level BPE trained here on a short
 built-in text, with a ChatML-style chat template that marks assistant turns with
 `{% generation %}`, so every request kind works on it.
 """
@@ -70,11 +71,16 @@ def make_tokenizer(out: Path, vocab_size: int = 1024):
     return fast
 
 
-FAMILIES = ("llama", "qwen3_moe", "qwen3_next")
+FAMILIES = ("llama", "qwen3_moe", "qwen3_next", "deepseek_v3")
+
+# MLA head sizes of DeepSeek-V3 / Kimi-K2, which vLLM's MLA backends require: its CPU and
+# Hopper kernels take a 576 = 512 + 64 latent and a 192 = 128 + 64 query-key head, and
+# refuse others ("Head dimension 96 is not supported by MLA" for 32 + 32 + 32).
+DEEPSEEK_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 
 def _config(family: str, tokenizer, *, num_layers: int, hidden_size: int, intermediate_size: int, num_heads: int,
-            num_kv_heads: int, vocab_size: int, max_position_embeddings: int):
+            num_kv_heads: int, vocab_size: int, max_position_embeddings: int, mla: dict | None = None):
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -109,6 +115,20 @@ def _config(family: str, tokenizer, *, num_layers: int, hidden_size: int, interm
             linear_num_key_heads=2, linear_num_value_heads=4,
         )
         return cfg, Qwen3NextForCausalLM
+    if family == "deepseek_v3":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        # Routing as in Kimi-K2 (one expert group, sigmoid scores plus a selection bias),
+        # scaled down: 8 routed experts, 2 per token, 1 shared; the first layer dense.
+        # MLA has no grouped KV heads (transformers needs them equal); eps 1e-6 as DeepSeek ships.
+        common.update(num_key_value_heads=num_heads, rms_norm_eps=1e-6)
+        cfg = DeepseekV3Config(
+            **common, **(mla or DEEPSEEK_MLA), q_lora_rank=hidden_size // 2,
+            moe_intermediate_size=intermediate_size // 2, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+        )
+        return cfg, DeepseekV3ForCausalLM
     raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
 
 
@@ -125,8 +145,10 @@ def make_tiny_model(
     max_position_embeddings: int = 2048,
     dtype: str = "float32",
     seed: int = 0,
+    mla: dict | None = None,
 ) -> Path:
-    """Write a random model of `family` (head_dim = hidden/heads must be >= 32 for vLLM CPU)."""
+    """Write a random model of `family` (head_dim = hidden/heads must be >= 32 for vLLM CPU).
+    `mla` overrides deepseek_v3's MLA head sizes (DEEPSEEK_MLA), e.g. to provoke vLLM's refusal."""
     import torch
 
     out = Path(out)
@@ -135,7 +157,7 @@ def make_tiny_model(
     config, model_cls = _config(
         family, tokenizer, num_layers=num_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
+        max_position_embeddings=max_position_embeddings, mla=mla,
     )
     torch.manual_seed(seed)
     model = model_cls(config).to(getattr(torch, dtype))
@@ -148,9 +170,20 @@ def make_tiny_model(
             for name, p in model.named_parameters():
                 if p.dim() == 1 and "norm" not in name:
                     p.add_(torch.randn_like(p) * 0.1)
+        # The routers' selection bias starts at zero, which would leave it unchecked.
+        if family == "deepseek_v3":
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.add_(torch.randn_like(b) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
     cfg = json.loads((out / "config.json").read_text())
     cfg["torch_dtype"] = dtype
+    if family == "deepseek_v3":
+        # Read by vLLM, absent from transformers' config (which always routes this way):
+        # sigmoid scores with the e_score_correction_bias choosing experts, as DeepSeek-V3 and
+        # Kimi-K2 ship. Without topk_method vLLM's loader has no place for the bias; without
+        # scoring_func vLLM routes by softmax.
+        cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
@@ -163,7 +196,7 @@ def make_tiny_llama(out: str | os.PathLike, **kwargs) -> Path:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hsx make-tiny-model", description=__doc__)
     p.add_argument("out")
-    p.add_argument("--family", default="llama", choices=FAMILIES, help="dense Llama, MoE or hybrid (default llama)")
+    p.add_argument("--family", default="llama", choices=FAMILIES, help="dense Llama, MoE, hybrid or DeepSeek-V3 MLA + MoE (default llama)")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--intermediate", type=int, default=256)

@@ -174,7 +174,10 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             return ids[0]
         if not ids and len(groups) == 1:
             return 0
-        raise ValueError("hsx: cannot find the hidden-states KV cache group (MLA targets are unsupported)")
+        # One group of vLLM's HiddenStateCacheSpec is what extract_hidden_states sets up, beside
+        # the model's own attention groups (full, sliding, MLA or Mamba alike): the states are
+        # the residual stream, captured whatever the attention.
+        raise ValueError(f"hsx: expected one hidden-states KV cache group, found {len(ids)} among {len(groups)} groups")
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -25,6 +25,7 @@ from hsx.layers import default_layers
 from hsx_service import vllm_compat
 from hsx_service.arena import Allocator, ArenaFull, ArenaTooSmall, Reservation, SharedArena
 from hsx_service.cpu_threads import bind_cpu_workers
+from hsx_service.engine_output import ChildOutput
 from hsx_service.engine_stats import EngineStats
 from hsx_service.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError, TooLarge
 from hsx_service.settings import ServiceSettings
@@ -97,6 +98,44 @@ def resolve_layers(requested: list[int] | None, n: int) -> list[int]:
     return sorted(set(requested))
 
 
+# vLLM's DeepSeek-V2/V3 text model (also inside Kimi-K2.5 and Kimi-VL) captures an aux
+# state as hidden_states + residual, and before the first layer the residual is None.
+_NO_LAYER_ZERO_MODULES = ("deepseek_v2", "kimi_k25", "kimi_vl")
+
+
+def check_layer_zero(model_cls: Any, arch: str, layers: list[int]) -> None:
+    if 0 in layers and model_cls.__module__.rsplit(".", 1)[-1] in _NO_LAYER_ZERO_MODULES:
+        raise StartupError(
+            f"--layers: id 0 (the embeddings) cannot be captured from {arch} in vLLM: its forward adds a residual "
+            "that does not exist before the first layer, and the engine would die at its first prefill. "
+            "Use ids 1 and up."
+        )
+
+
+def avoid_wrong_cpu_rope(model_config: Any, engine_args: Any, arch: str) -> None:
+    """MLA on the CPU backend: where vLLM's CPU rotary kernel rotates MLA's query/key views
+    wrongly (hsx_service.rope_probe), vLLM's PyTorch formula is used instead (the custom op off)."""
+    if not (vllm_compat.is_cpu_backend() and getattr(model_config, "use_mla", False)):
+        return
+    from hsx_service.rope_probe import mla_rope_error
+
+    err = mla_rope_error()
+    if err <= 1e-4:
+        return
+    cc = engine_args.compilation_config
+    ops = cc.get("custom_ops", []) if isinstance(cc, dict) else cc.custom_ops
+    if "+rotary_embedding" in ops:
+        raise StartupError(
+            f"{arch} (MLA) with the rotary_embedding custom op on: this vLLM's CPU rotary kernel rotates MLA's query "
+            f"and key views wrongly (relative error {err:.2f} on a test tensor), so the hidden states would be wrong"
+        )
+    ops.append("-rotary_embedding")
+    if isinstance(cc, dict):
+        cc["custom_ops"] = ops
+    log.info("%s (MLA) on the CPU backend: rotary embedding by vLLM's PyTorch formula (its CPU kernel rotates "
+             "MLA's query and key views wrongly: relative error %.2f on a test tensor)", arch, err)
+
+
 @dataclass
 class ModelFacts:
     model: str
@@ -153,8 +192,8 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
     if not supports_eagle3(model_cls):
         raise StartupError(
             f"architecture {arch} does not implement vLLM's EAGLE-3 aux-hidden-state interface "
-            "(SupportsEagle3), so its hidden states cannot be captured. Supported: Llama, Qwen2/3, "
-            "Mistral, DeepSeek, GPT-OSS and others listed by vLLM."
+            "(SupportsEagle3), so its hidden states cannot be captured. Verified with hsx (docs/compatibility.md): "
+            "Llama, Qwen3-MoE, Qwen3-Next, DeepSeek-V3 (MLA)."
         )
     hybrid = vllm_compat.is_hybrid(model_cls)
     if hybrid:
@@ -162,6 +201,8 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
     text_config = model_config.hf_text_config
     n = int(text_config.num_hidden_layers)
     layers = resolve_layers(settings.layers, n)
+    check_layer_zero(model_cls, arch, layers)
+    avoid_wrong_cpu_rope(model_config, engine_args, arch)
 
     engine_args.speculative_config = {
         "method": "extract_hidden_states",
@@ -288,6 +329,12 @@ class Extractor:
         self.vllm_config: VllmConfig | None = None
         self.text_config: Any = None  # the model's transformers text config
         self.stats = EngineStats()
+        self.child_output = ChildOutput()  # the engine's own exception line when it fails
+
+    def engine_said(self) -> str:
+        """'; the engine said: ValueError: ...' when a child process printed an exception."""
+        cause = self.child_output.cause()
+        return f"; the engine said: {cause}" if cause else ""
 
     def prepare(self) -> None:
         """Fast checks and set-up, before the port opens. Raises StartupError."""
@@ -312,10 +359,17 @@ class Extractor:
             self.facts.num_hidden_layers, self.facts.hidden_size, self.facts.dtype,
         )
         # hsx's stat logger only (vLLM's periodic log lines stay off): it feeds hsx_kv_cache_usage.
-        self.engine = await asyncio.to_thread(
-            AsyncLLM.from_vllm_config, self.vllm_config, disable_log_stats=True,
-            stat_loggers=[self.stats.logger_factory()],
-        )
+        try:
+            with self.child_output.inherited():
+                self.engine = await asyncio.to_thread(
+                    AsyncLLM.from_vllm_config, self.vllm_config, disable_log_stats=True,
+                    stat_loggers=[self.stats.logger_factory()],
+                )
+        except Exception as exc:
+            said = await asyncio.to_thread(self.engine_said)  # waits for the children's last output
+            if said:  # vLLM's own message says only "See root cause above"
+                raise StartupError(f"the vLLM engine failed to start{said}") from exc
+            raise
         # Workers have mapped the arena; drop its name so nothing outlives a crash.
         self.arena.unlink()
 
@@ -331,7 +385,9 @@ class Extractor:
             await self.extract(ids, layers, reservation, f"hsx-self-test-{uuid.uuid4().hex[:8]}",
                                timeout=max(self.settings.request_timeout, SELF_TEST_TIMEOUT))
         except EngineFailure as exc:
+            said = await asyncio.to_thread(self.engine_said)
             raise StartupError(
+                f"self-test failed: {exc}{said}" if said else
                 f"self-test failed: {exc}. The architecture may not expose layers {self.facts.layer_ids} "
                 "through vLLM's aux-hidden-state interface."
             ) from exc

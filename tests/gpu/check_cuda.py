@@ -4,8 +4,9 @@ Same checks as tests/test_service_correctness.py, against a real `hsx serve` wit
 and CUDA graphs on (vLLM's defaults): a random bf16 Llama (concurrent mixed lengths, a
 prompt longer than --max-num-batched-tokens, shared prefixes with prefix caching, same-host
 leases, requests hung up mid-flight), the trained stories260K with real chats through a real
-template, and any extra model directory (e.g. a tiny random hybrid or MoE from
-`hsx make-tiny-model`) with every layer compared. The reference is transformers in fp32.
+template, and any extra model directory (e.g. a tiny random hybrid, MoE or DeepSeek-V3 from
+`hsx make-tiny-model`) with every layer compared, also served quantized with
+`--extra-quantization fp8`. The reference is transformers in fp32.
 After each server's load: the arena, hsx's in-flight counters and vLLM's KV-cache usage
 (`hsx_kv_cache_usage`, where this hsx exposes it) back to idle, read from /metrics. The model
 runner that registered hsx's connector is read from the server log (`--expect-runner`).
@@ -38,12 +39,17 @@ from hsx.wire import decode  # noqa: E402
 
 BF16_TOL = 3e-2
 FP32_TOL = 1e-3
+# fp8 weights and activations (vLLM's on-the-fly --quantization fp8) against fp32: a bound that
+# catches wrong or missing states, not a grade of fp8 (the measured figure goes to the JSON).
+FP8_TOL = 0.15
+# vLLM's DeepSeek-V2/V3 text model cannot capture id 0 (hsx refuses it at start).
+NO_LAYER_ZERO = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")
 results: list[dict] = []
 failures: list[str] = []
 
 
-def verdict(name: str, ok: bool, detail: str) -> None:
-    results.append({"check": name, "ok": ok, "detail": detail})
+def verdict(name: str, ok: bool, detail: str, **figures: float) -> None:
+    results.append({"check": name, "ok": ok, "detail": detail, **figures})
     if not ok:
         failures.append(name)
     print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
@@ -51,7 +57,8 @@ def verdict(name: str, ok: bool, detail: str) -> None:
 
 def report(name: str, errs: list[float], tol: float, extra: str = "") -> None:
     worst = max(errs) if errs else float("nan")
-    verdict(name, bool(errs) and worst < tol, f"worst per-layer rel err {worst:.2e} (tol {tol:g}) {extra}")
+    verdict(name, bool(errs) and worst < tol, f"worst per-layer rel err {worst:.2e} (tol {tol:g}) {extra}",
+            worst_rel_err=worst, tol=tol)
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -264,16 +271,20 @@ def stories_checks(a, work: Path) -> None:
         stop(srv)
 
 
-def extra_model_checks(a, model_dir: str, work: Path) -> None:
-    """Every layer 0..N of a model directory (hybrid, MoE, ...) against transformers fp32."""
+def extra_model_checks(a, model_dir: str, work: Path, quantization: str | None = None) -> None:
+    """Every layer 0..N (1..N for DeepSeek) of a model directory (hybrid, MoE, MLA, ...) against
+    transformers fp32; with `quantization`, served with vLLM's --quantization (e.g. fp8 on the fly)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     text = cfg.get("text_config", cfg)
     n = int(text["num_hidden_layers"])
+    first = 1 if text.get("model_type", cfg.get("model_type")) in NO_LAYER_ZERO else 0
     name = f"{Path(model_dir).name} ({'/'.join(cfg.get('architectures', ['?']))}, {n} layers)"
-    tol = FP32_TOL if a.extra_dtype == "float32" else BF16_TOL
-    srv = server(model_dir, "--dtype", a.extra_dtype, "--layers", ",".join(map(str, range(n + 1))),
-                 "--max-model-len", "1024", "--max-num-batched-tokens", "256", *a.extra_serve_arg, a=a, log_dir=work,
-                 name=Path(model_dir).name, mem=0.3)
+    tol = FP8_TOL if quantization else FP32_TOL if a.extra_dtype == "float32" else BF16_TOL
+    quant = ["--quantization", quantization] if quantization else []
+    label = f"{a.extra_dtype}{' + ' + quantization if quantization else ''}"
+    srv = server(model_dir, "--dtype", a.extra_dtype, "--layers", ",".join(map(str, range(first, n + 1))),
+                 "--max-model-len", "1024", "--max-num-batched-tokens", "256", *quant, *a.extra_serve_arg, a=a,
+                 log_dir=work, name=Path(model_dir).name + (f"-{quantization}" if quantization else ""), mem=0.3)
     try:
         vocab = int(text.get("vocab_size", 1000))
         rng = random.Random(3)
@@ -281,7 +292,7 @@ def extra_model_checks(a, model_dir: str, work: Path) -> None:
                   for _ in range(16)]
         peaks = Peaks(srv.url)
         rs = asyncio.run(fetch_all(srv.url, bodies, peaks))
-        check(model_dir, rs, bodies, tol, f"{name} {a.extra_dtype}: every layer of 16 concurrent prompts "
+        check(model_dir, rs, bodies, tol, f"{name} {label}: every layer of 16 concurrent prompts "
               "(5..700 tokens, chunked above 256)")
         check_idle(srv, Path(model_dir).name, peaks)
     finally:
@@ -300,6 +311,8 @@ def main() -> int:
                    help="hsx serve flag for the extra models only, e.g. --extra-serve-arg=--allow-unverified-hybrid")
     p.add_argument("--expect-runner", default="any", choices=["any", "v1", "v2"],
                    help="which vLLM model runner must have registered hsx's connector (v2: Model Runner V2)")
+    p.add_argument("--extra-quantization", action="append", default=[],
+                   help="also serve each extra model with vLLM's --quantization Q (e.g. fp8, on the fly)")
     p.add_argument("--skip-random", action="store_true", help="only the stories / extra-model checks")
     p.add_argument("--json", help="write every check's result here")
     a = p.parse_args()
@@ -318,6 +331,8 @@ def main() -> int:
             stories_checks(a, work)
         for model_dir in a.extra_model:
             extra_model_checks(a, model_dir, work)
+            for q in a.extra_quantization:
+                extra_model_checks(a, model_dir, work, q)
     except Exception as exc:  # a server that never came up: report it as a failure, keep the JSON
         verdict("run", False, f"{type(exc).__name__}: {' '.join(str(exc).split())[:2000]}")
     print("ALL PASS" if not failures else f"FAILED: {failures}", flush=True)

@@ -7,13 +7,14 @@
 #   bash tests/gpu/session.sh stash 0.33.0 K      # carry .gpukit-0.33.0/pK (and .gpufix in the first)
 #   bash tests/gpu/session.sh check 0.33.0        # carry the last part: assemble, load check, check_cuda
 #   bash tests/gpu/session.sh extra 0.33.0        # stories260K chats, tiny MoE and hybrid, every layer
+#   bash tests/gpu/session.sh mla 0.26.0          # tiny DeepSeek-V3 (MLA + MoE), bf16 and fp8, every layer
 #   bash tests/gpu/session.sh bench 0.33.0        # hsx bench --h200
 #   bash tests/gpu/session.sh bench17 0.33.0 preset|8b [WORKERS [HTTP_WORKERS]]   # issue 17's HTTP rows
 #     (MODES=c skips plain prefill; SERVER_ARGS="--zstd-frame-threads=2" adds hsx serve flags)
 # Results land in $OUT (check-*.json, bench-*.json, logs). Consecutive calls must follow within the
 # machine's 30 s warm time: /tmp (the stashed parts, the assembled kit) goes with the machine.
 set -euo pipefail
-step=${1:?usage: session.sh prepare|stash|check|extra|bench|bench17 VERSION [PART | SHAPE WORKERS]}
+step=${1:?usage: session.sh prepare|stash|check|extra|mla|bench|bench17 VERSION [PART | SHAPE WORKERS]}
 ver=${2:?vLLM version, e.g. 0.33.0}
 kit=.gpukit-$ver
 out=${OUT:-/tmp/out}
@@ -102,6 +103,20 @@ extra)
         --chats "$fx/threads.messages.jsonl" --template "$fx/llama3.jinja" "${models[@]}" \
         --json "$out/check-extra-$ver.json" 2>&1 | tee "$out/check-extra-$ver.log"
     ;;
+mla)
+    # Issue 27: the tiny DeepSeek-V3 (MLA with DeepSeek's head sizes, noaux_tc MoE), 16 heads as
+    # vLLM's Hopper MLA kernels are used to; bf16, then fp8 weights quantized on the fly, every
+    # layer id 1..N against transformers fp32 (worst errors in the JSON).
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    python3 -m hsx.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 --layers 4 --heads 16 \
+        --dtype bfloat16 >/dev/null
+    runner=$(expected_runner)
+    python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" --extra-model /tmp/tiny-deepseek-v3 \
+        --extra-quantization fp8 --json "$out/check-mla-$ver.json" 2>&1 | tee "$out/check-mla-$ver.log"
+    # Which MLA / prefill / MoE backends vLLM picked, from the servers' logs.
+    grep -hiE "backend|quantiz" /tmp/hsx-gpu-check-*/tiny-deepseek-v3*.log > "$out/mla-backends-$ver.txt" || true
+    ;;
 bench)
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
@@ -135,7 +150,7 @@ bench17)
         | tee "$out/bench17-$tag.log"
     ;;
 *)
-    echo "session.sh: unknown step $step (prepare, stash, check, extra, bench, bench17)" >&2
+    echo "session.sh: unknown step $step (prepare, stash, check, extra, mla, bench, bench17)" >&2
     exit 2
     ;;
 esac
