@@ -111,7 +111,7 @@ def hsx_path(model: str, dtype: str, layers: list[int], prompts: list[list[int]]
 def compare(model: str, dtype: str, work: Path) -> dict:
     cfg = json.loads((Path(model) / "config.json").read_text())
     n = int(model_text_config(model)["num_hidden_layers"])
-    layers = sorted({min(2, n), n // 2, max(n - 3, 0), n})
+    layers = list(range(1, n + 1))  # every layer but 0 (DeepSeek's forward has no residual before layer 1)
     prompts = prompts_for(model)
     own = work / f"own-{Path(model).name}.pt"
     t0 = time.time()

@@ -9,6 +9,7 @@
 #   bash tests/gpu/session.sh extra 0.33.0        # stories260K chats, tiny MoE and hybrid, every layer
 #   bash tests/gpu/session.sh mla 0.26.0          # tiny DeepSeek-V3 (MLA + MoE), bf16 and fp8, every layer
 #   bash tests/gpu/session.sh bench 0.33.0        # hsx bench --h200
+#   bash tests/gpu/session.sh mla|quant|bitequal 0.26.0   # issue 27: MLA, quantized, bit-equality vs vLLM's own path
 #   bash tests/gpu/session.sh bench17 0.33.0 preset|8b [WORKERS [HTTP_WORKERS]]   # issue 17's HTTP rows
 #     (MODES=c skips plain prefill; SERVER_ARGS="--zstd-frame-threads=2" adds hsx serve flags)
 # Results land in $OUT (check-*.json, bench-*.json, logs). Consecutive calls must follow within the
@@ -116,6 +117,25 @@ mla)
         --extra-quantization fp8 --json "$out/check-mla-$ver.json" 2>&1 | tee "$out/check-mla-$ver.log"
     # Which MLA / prefill / MoE backends vLLM picked, from the servers' logs.
     grep -hiE "backend|quantiz" /tmp/hsx-gpu-check-*/tiny-deepseek-v3*.log > "$out/mla-backends-$ver.txt" || true
+    ;;
+quant)
+    # Issue 27: quantized checkpoints (block-FP8, W4A16 Machete and Marlin, FP8 on the fly) of the
+    # tiny Llama and DeepSeek-V3, every layer against transformers on the dequantized twin.
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    python3 tests/gpu/check_quant.py --json "$out/check-quant-$ver.json" 2>&1 | tee "$out/check-quant-$ver.log"
+    ;;
+bitequal)
+    # Issue 27 item 5: hsx's states against vLLM's own extract_hidden_states (stock file connector),
+    # same flags and prompts: stories260K in fp32, the tiny DeepSeek-V3 (made by the mla step) in bf16.
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    [ -d /tmp/tiny-deepseek-v3 ] || python3 -m hsx.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 \
+        --layers 4 --heads 16 --dtype bfloat16 >/dev/null
+    python3 tests/gpu/check_bitequal.py --model /tmp/gpufix/stories260K --dtype float32 \
+        --json "$out/bitequal-stories-fp32-$ver.json" 2>&1 | tee "$out/bitequal-stories-$ver.log" || true
+    python3 tests/gpu/check_bitequal.py --model /tmp/tiny-deepseek-v3 --dtype bfloat16 \
+        --json "$out/bitequal-deepseek-bf16-$ver.json" 2>&1 | tee "$out/bitequal-deepseek-$ver.log"
     ;;
 bench)
     # shellcheck disable=SC1091
