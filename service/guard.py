@@ -96,6 +96,12 @@ class GuardMiddleware:
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             raise UnsupportedMedia(f"send the request as Content-Type: application/json (got {ctype or 'none'!r})")
+        coding = headers.get("content-encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):
+            # Never decoded here: a compressed body would only be parsed as broken JSON, and
+            # decoding it would let a small body grow past --max-body-bytes.
+            raise UnsupportedMedia(f"request bodies are read as sent; this server takes no Content-Encoding "
+                                   f"(got {coding[:64]!r}): send the JSON uncompressed")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise TooLarge(f"request body of {length} bytes exceeds the limit of {self.max_body} bytes")
