@@ -20,6 +20,7 @@ import uuid
 
 from hsx_service.admission import AdmissionGate
 from hsx_service.auth import key_matches
+from hsx_service.connections import PROBE_ONLY
 from hsx_service.docs import ASSET_PATHS
 from hsx_service.errors import (BodyTimeout, HeadersTooLarge, Overloaded, ServiceError, TooLarge, Unauthorized,
                                UnsupportedMedia, render)
@@ -62,6 +63,9 @@ class GuardMiddleware:
         ticket = None
         try:
             self._check_headers(raw)
+            if scope["state"].get(PROBE_ONLY) and scope["path"] not in PROBE_PATHS:
+                raise Overloaded("too many open connections (--max-connections); this one is kept for the probes, "
+                                 "retry shortly", reason="connections")
             if self.keys and scope["path"] not in PUBLIC_PATHS:
                 self._authorize(headers)
             if scope["path"] in BODY_ROUTES and scope["method"] == "POST":

@@ -36,6 +36,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from hsx_service.app import ServerState, create_app
+from hsx_service.connections import protocol_for
 from hsx_service.engine import Extractor
 from hsx_service import vllm_compat
 from hsx_service.errors import StartupError
@@ -117,6 +118,8 @@ class Lifecycle:
             # The drain has already waited --shutdown-timeout: uvicorn then only closes what is left.
             timeout_graceful_shutdown=int(CUT_OFF_GRACE) + 1,
             timeout_keep_alive=30,
+            # The public port's connections are bounded where it is served: here, or in the workers.
+            http=protocol_for(s, self.state.metrics) if self.workers is None else "auto",
         )
         self._server = _DrainingServer(config, self)
         self._server.run()
