@@ -184,6 +184,7 @@ class Lifecycle:
                 f.tokenizer, f.tokenizer_revision, f.trust_remote_code, template,
                 workers=st.settings.tokenize_workers, queue=st.settings.tokenize_queue,
                 timeout=st.settings.tokenize_timeout, memory=st.settings.tokenize_memory,
+                request_template_workers=st.settings.template_workers if st.settings.trust_request_chat_template else 0,
             )
             await tokenizer.ready()
             try:
