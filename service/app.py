@@ -300,21 +300,20 @@ def _key(request: Request) -> str | None:
 
 
 def _lease_terms(st: ServerState, request: Request) -> tuple[bool, str | None, bool]:
-    """Whether this request gets a lease, the lease session it belongs to, and whether it
-    is an HTTP worker's (fronts.py). Only keys marked for leases get one; a session the
-    arena socket does not know (closed, or made up) gets an HTTP body, so no lease
-    outlives its client's connection."""
+    """Whether this request may get a lease, the lease session it belongs to, and whether
+    it is an HTTP worker's (fronts.py). Only keys marked for leases get one, and only
+    inside a live session of the arena socket: a request without one (left out, closed or
+    made up) gets an HTTP body (the Accept header lists it too), so every lease ends with
+    its client's connection and none can pin the arena until --lease-timeout. The
+    session's caps are checked once the states' size is known (Leases.may_lease)."""
     if st.service.leases is None or LEASE_MEDIA_TYPE not in request.headers.get("accept", ""):
         return False, None, False
     if not _may_lease(st, request):
         return False, None, False
     session = request.headers.get(SESSION_HEADER)
-    if session is not None and (st.arena_socket is None or session not in st.arena_socket.sessions):
+    if session is None or st.arena_socket is None or session not in st.arena_socket.sessions:
         return False, None, False
-    front = _is_front(st, request)
-    if front and session is None:  # a worker's lease must end with the worker
-        return False, None, False
-    return True, session, front
+    return True, session, _is_front(st, request)
 
 
 def _is_front(st: ServerState, request: Request) -> bool:

@@ -49,6 +49,7 @@ from hsx.wire import LEASE_MEDIA_TYPE, TensorSpec, WireFormatError, check_body, 
 from hsx_service.admission import AdmissionGate
 from hsx_service.body import encode_body
 from hsx_service.compress import CompressPool
+from hsx_service.connections import protocol_for
 from hsx_service.errors import EngineFailure, NotReady, ServiceError, render
 from hsx_service.guard import GuardMiddleware
 from hsx_service.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, SendReport
@@ -378,7 +379,7 @@ def main() -> int:
     app = GuardMiddleware(FrontApp(settings, cfg["upstream"], cfg["token"], cfg["threads"]),
                           settings=settings, gate=gate, metrics=metrics)
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_keep_alive=30,
-                            timeout_graceful_shutdown=5, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on", http=protocol_for(settings, metrics))
     sock = socket.socket(fileno=cfg["fd"])
     _WorkerServer(config).run(sockets=[sock])
     return 0

@@ -20,6 +20,7 @@ import uuid
 
 from hsx_service.admission import AdmissionGate
 from hsx_service.auth import key_matches
+from hsx_service.connections import PROBE_ONLY
 from hsx_service.docs import ASSET_PATHS
 from hsx_service.errors import (BodyTimeout, HeadersTooLarge, Overloaded, ServiceError, TooLarge, Unauthorized,
                                UnsupportedMedia, render)
@@ -62,6 +63,9 @@ class GuardMiddleware:
         ticket = None
         try:
             self._check_headers(raw)
+            if scope["state"].get(PROBE_ONLY) and scope["path"] not in PROBE_PATHS:
+                raise Overloaded("too many open connections (--max-connections); this one is kept for the probes, "
+                                 "retry shortly", reason="connections")
             if self.keys and scope["path"] not in PUBLIC_PATHS:
                 self._authorize(headers)
             if scope["path"] in BODY_ROUTES and scope["method"] == "POST":
@@ -96,6 +100,12 @@ class GuardMiddleware:
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             raise UnsupportedMedia(f"send the request as Content-Type: application/json (got {ctype or 'none'!r})")
+        coding = headers.get("content-encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):
+            # Never decoded here: a compressed body would only be parsed as broken JSON, and
+            # decoding it would let a small body grow past --max-body-bytes.
+            raise UnsupportedMedia(f"request bodies are read as sent; this server takes no Content-Encoding "
+                                   f"(got {coding[:64]!r}): send the JSON uncompressed")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise TooLarge(f"request body of {length} bytes exceeds the limit of {self.max_body} bytes")

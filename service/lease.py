@@ -23,10 +23,14 @@ descriptor of the arena (SCM_RIGHTS). A client that cannot connect (another host
 namespace) gets HTTP bodies.
 
 Sessions: the client keeps that connection open while it runs and sends the session id
-with its requests; leases granted to them belong to the session, and when the
-connection closes (the client exited or was killed) the socket's thread tells the event
-loop, which releases them at once (outcome `client_gone`), so a dead client holds no
-arena memory and does not delay a drain.
+with its requests; leases are granted only to requests of a live session (others get
+an HTTP body) and belong to it, and when the connection closes (the client exited or
+was killed) the socket's thread tells the event loop, which releases them at once
+(outcome `client_gone`), so a dead client holds no arena memory and does not delay a
+drain. A live client that never releases is bounded too (`Leases.may_lease`): at most
+--lease-max-per-session leases per session, and client leases together hold at most
+half the arena; beyond, its requests get HTTP bodies, so requests answered with bodies
+always find room.
 
 Who may lease (the threat model, docs/security.md): the descriptor maps the whole arena,
 so a holder can read every client's states in it, not only its own. Without API keys only
@@ -99,17 +103,41 @@ class SendReport:
             return None
 
 
+# Client leases altogether hold at most this share of the arena; beyond it, HTTP bodies.
+# However many sessions lease, requests answered with a body always find room.
+CLIENT_ARENA_SHARE = 0.5
+
+
 class Leases:
     """Live leases of the event loop's thread: grant, release, expire. Each owns the
-    Reservation handed over to it and frees it when it ends."""
+    Reservation handed over to it and frees it when it ends.
 
-    def __init__(self, timeout: float, on_end: Callable[[str], None] | None = None):
+    `may_lease` bounds what clients hold (an HTTP worker's leases are bodies being sent,
+    bounded by --max-inflight): at most `per_session` leases per session and
+    CLIENT_ARENA_SHARE of the arena for all of them, so a client that never releases
+    cannot starve the requests answered with bodies."""
+
+    def __init__(self, timeout: float, on_end: Callable[[str], None] | None = None, per_session: int = 64,
+                 arena_bytes: int | None = None):
         self.timeout = timeout
         self._on_end = on_end  # called with the outcome: released, expired or unsent
         self._live: dict[str, _Lease] = {}
+        self.per_session = per_session
+        self.client_bytes_max = None if arena_bytes is None else int(arena_bytes * CLIENT_ARENA_SHARE)
+        self._held: dict[str, int] = {}  # client leases per session
+        self.client_bytes = 0  # arena bytes under client leases
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def may_lease(self, session: str, nbytes: int) -> str | None:
+        """None when a client's lease of `nbytes` in `session` fits; else why not (that
+        request gets an HTTP body)."""
+        if self._held.get(session, 0) >= self.per_session:
+            return "session"
+        if self.client_bytes_max is not None and self.client_bytes + nbytes > self.client_bytes_max:
+            return "arena"
+        return None
 
     def grant(self, reservation: Reservation, session: str | None = None, expires: bool = True,
               on_end: Callable[[str, SendReport | None], None] | None = None) -> str:
@@ -119,6 +147,9 @@ class Leases:
         lease_id = secrets.token_hex(16)
         timer = asyncio.get_running_loop().call_later(self.timeout, self.release, lease_id, "expired") if expires else None
         self._live[lease_id] = _Lease(reservation, timer, session, on_end)
+        if expires and session is not None:  # a client's: counted against its caps
+            self._held[session] = self._held.get(session, 0) + 1
+            self.client_bytes += reservation.extent.reserved
         return lease_id
 
     def end_session(self, session: str) -> int:
@@ -139,6 +170,11 @@ class Leases:
             return False
         if lease.timer is not None:
             lease.timer.cancel()
+            if lease.session is not None:
+                self.client_bytes -= lease.reservation.extent.reserved
+                left = self._held.pop(lease.session) - 1
+                if left:
+                    self._held[lease.session] = left
         if outcome == "expired":
             log.warning("lease %s expired after %.0fs without a release; its range is reused", lease_id[:8], self.timeout)
         lease.reservation.release()

@@ -44,6 +44,7 @@ from fastapi import FastAPI
 
 from hsx import lifeline
 from hsx_service.app import ServerState, create_app
+from hsx_service.connections import protocol_for
 from hsx_service.engine import Extractor
 from hsx_service import vllm_compat
 from hsx_service.errors import StartupError
@@ -142,6 +143,8 @@ class Lifecycle:
             # The drain has already waited --shutdown-timeout: uvicorn then only closes what is left.
             timeout_graceful_shutdown=int(CUT_OFF_GRACE) + 1,
             timeout_keep_alive=30,
+            # The public port's connections are bounded where it is served: here, or in the workers.
+            http=protocol_for(s, self.state.metrics) if self.workers is None else "auto",
         )
         self._server = _DrainingServer(config, self)
         if self.workers is None and self.sock is not None:
@@ -206,6 +209,7 @@ class Lifecycle:
                 f.tokenizer, f.tokenizer_revision, f.trust_remote_code, template,
                 workers=st.settings.tokenize_workers, queue=st.settings.tokenize_queue,
                 timeout=st.settings.tokenize_timeout, memory=st.settings.tokenize_memory,
+                request_template_workers=st.settings.template_workers if st.settings.trust_request_chat_template else 0,
             )
             await tokenizer.ready()
             try:

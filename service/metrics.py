@@ -20,6 +20,11 @@ class Metrics:
         )
         self.responses = Counter("hsx_http_responses", "HTTP answers on every route, by status code", ["code"],
                                  registry=r)
+        self.connections_open = Gauge("hsx_connections_open", "HTTP connections open (this process)", registry=r)
+        self.connections_shed = Counter(
+            "hsx_connections_shed", "Connections closed by the server before a request: header_timeout, evicted "
+            "(idle, at --max-connections), refused (at --max-connections, all busy)", ["reason"], registry=r,
+        )
         self.receiving = Gauge("hsx_receiving_requests", "Requests whose body is still arriving", registry=r)
         self.tokens = Counter("hsx_tokens", "Prompt tokens whose states were returned", registry=r)
         self.raw_bytes = Counter("hsx_hidden_state_bytes", "Response bytes before compression", registry=r)
@@ -39,7 +44,8 @@ class Metrics:
         )
         self.arena_used = Gauge("hsx_arena_used_bytes", "Shared-memory arena bytes held by requests", registry=r)
         self.leases = Counter(
-            "hsx_leases", "Same-host leases: granted, released, expired, unsent, client_gone", ["outcome"], registry=r
+            "hsx_leases", "Same-host leases: granted, released, expired, unsent, client_gone; refused_session / "
+            "refused_arena (over a session's or the arena's cap: an HTTP body instead)", ["outcome"], registry=r
         )
         self.leases_live = Gauge("hsx_leases_live", "Same-host leases not yet released", registry=r)
         self.http_workers = Gauge("hsx_http_workers", "HTTP worker processes alive (--http-workers)", registry=r)

@@ -65,6 +65,11 @@ class HiddenStatesRequest(BaseModel):
             )
         if self.layers is not None and not self.layers:
             raise ValueError("layers is empty (leave it out for all served layers)")
+        if self.layers is not None and len(set(self.layers)) != len(self.layers):
+            # Refused rather than merged: the states come back once per distinct layer, so a
+            # caller counting on one row per entry would read the wrong layers.
+            repeated = sorted({k for k in self.layers if self.layers.count(k) > 1})
+            raise ValueError(f"layers repeats {repeated}; name each layer once")
         return self
 
 

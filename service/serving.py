@@ -81,7 +81,9 @@ class HiddenStatesService:
         # HTTP workers (front.py) take their states under leases of their own, so the
         # lease table exists with them even where clients get none (--shm-lease false).
         if settings.shm_lease or http_workers:
-            self.leases = Leases(settings.lease_timeout, on_end=lambda outcome: metrics.leases.labels(outcome).inc())
+            self.leases = Leases(settings.lease_timeout, on_end=lambda outcome: metrics.leases.labels(outcome).inc(),
+                                 per_session=settings.lease_max_per_session,
+                                 arena_bytes=extractor.allocator.size if extractor.allocator is not None else None)
         gate.engine_dead = lambda: extractor.dead
         allocator = extractor.allocator
         metrics.engine_running.set_function(lambda: extractor.engine_running)
@@ -218,6 +220,11 @@ class HiddenStatesService:
             raise
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
+        if lease and not front and self.leases is not None:
+            capped = self.leases.may_lease(session, reservation.extent.reserved)
+            if capped is not None:  # this one comes as an HTTP body: nothing waits, nothing is pinned
+                self.metrics.leases.labels(f"refused_{capped}").inc()
+                lease = False
         return self._reply(req, prep, reservation, request_id, coding, lease and self.leases is not None, started,
                            session, front)
 

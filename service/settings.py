@@ -59,6 +59,11 @@ class ServiceSettings(BaseSettings):
     lease_timeout: float = Field(
         120.0, gt=0, description="Seconds a same-host client may hold a lease before its range is reused"
     )
+    lease_max_per_session: int = Field(
+        64, ge=1,
+        description="Same-host leases one client session may hold at once; beyond, HTTP bodies (client leases "
+        "together hold at most half the arena)",
+    )
     shutdown_timeout: float = Field(30.0, ge=0, description="Seconds in-flight requests get after SIGTERM")
     request_timeout: float = Field(600.0, gt=0, description="Seconds one request may take in the engine")
     chat_template: str | None = Field(None, description="Jinja chat template file (default: the tokenizer's)")
@@ -69,6 +74,10 @@ class ServiceSettings(BaseSettings):
         None, ge=1, description="Most text bytes in one request (413 beyond; default 64 x the token limit, at least 4 MiB)"
     )
     tokenize_workers: int = Field(2, ge=1, description="Processes that render chat templates and tokenize")
+    template_workers: int = Field(
+        1, ge=1, description="Processes that render request-supplied chat templates (with "
+        "--trust-request-chat-template), apart from those of the server's own template and prompts",
+    )
     tokenize_queue: int = Field(32, ge=0, description="Requests waiting for a tokenizer process beyond the busy ones (503 beyond)")
     tokenize_timeout: float = Field(30.0, gt=0, description="Seconds one request may spend templating and tokenizing (400 beyond)")
     tokenize_memory: int = Field(
@@ -76,6 +85,14 @@ class ServiceSettings(BaseSettings):
     )
     body_timeout: float = Field(30.0, gt=0, description="Seconds a client may take to send its request body (408 beyond)")
     max_receiving: int = Field(64, ge=1, description="Connections still sending their request body at once (503 beyond)")
+    header_timeout: float = Field(
+        20.0, gt=0, description="Seconds a connection may take to send a request's headers (then it is closed)"
+    )
+    max_connections: int = Field(
+        4096, ge=16,
+        description="Open connections per serving process; beyond, the longest-idle one is closed, else the new one "
+        "(a few more are kept for the probes)",
+    )
     max_header_bytes: int = Field(64 * 1024, ge=1024, description="Largest total size of a request's headers (431 beyond)")
     max_headers: int = Field(100, ge=8, description="Most headers in one request (431 beyond)")
     lease_api_key: Annotated[list[str], NoDecode] = Field(

@@ -9,8 +9,12 @@ processes that can be:
   tokenizer takes (RLIMIT_DATA; the request that needs more gets 413);
 - refused: at most `--tokenize-workers` + `--tokenize-queue` requests are in the pool at
   once; one more gets 503 + Retry-After at once (`hsx_rejected_total{reason="tokenize"}`).
-`input_ids` requests never come here, so they never wait behind templating. Each worker
-loads the tokenizer once, at start.
+- replaced: a worker whose input hit --tokenize-memory exits at once (the request gets
+  413) and a fresh one takes its place, so the memory it took is given back now.
+`input_ids` requests never come here, so they never wait behind templating. Request-
+supplied chat templates (--trust-request-chat-template) run in a lane of their own
+(--template-workers processes, --tokenize-queue waiting), so prompts and chats with the
+server's template never wait behind them. Each worker loads the tokenizer once, at start.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import resource
 import signal
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -36,6 +41,9 @@ log = logging.getLogger("hsx.tokenize")
 lifeline.hold()
 
 _TOKENIZER: Tokenizer | None = None  # in each worker process
+EXIT_MEMORY = 75  # a worker's exit status after its input hit --tokenize-memory
+MEMORY_MESSAGE = ("templating or tokenizing this input needs more memory than the server's --tokenize-memory "
+                  "allows; send a smaller input")
 
 
 def _init_worker(name: str, revision: str | None, trust_remote_code: bool, template: str | None,
@@ -66,8 +74,10 @@ def _encode(kind: str, args: tuple) -> Encoded:
             return _TOKENIZER.encode_prompt(*args)
         return _TOKENIZER.encode_chat(*args)
     except MemoryError:
-        raise TooLarge("templating or tokenizing this input needs more memory than the server's "
-                       "--tokenize-memory allows; send a smaller input") from None
+        # Exit rather than answer: the memory the input took may stay with this process
+        # (the allocator keeps it), so a fresh worker replaces it now; the pool sees the
+        # exit status and answers 413.
+        os._exit(EXIT_MEMORY)
     except ServiceError:
         raise
     except Exception as exc:  # e.g. text the tokenizer cannot take (lone surrogates)
@@ -88,42 +98,64 @@ def _context():
     return ctx
 
 
+class _Lane:
+    """One process pool and its bound on the requests in it."""
+
+    def __init__(self, name: str, workers: int, queue: int, initargs: tuple) -> None:
+        self.name = name
+        self.capacity = workers + queue
+        self.busy = 0  # requests in the pool (running or waiting for a worker)
+        self.pool = ProcessPool(max_workers=workers, initializer=_init_worker, initargs=initargs, context=_context())
+
+
 class TokenizerPool:
     def __init__(self, name: str, revision: str | None, trust_remote_code: bool, template: str | None, *,
-                 workers: int, queue: int, timeout: float, memory: int) -> None:
-        self.capacity = workers + queue
+                 workers: int, queue: int, timeout: float, memory: int, request_template_workers: int = 0) -> None:
         self.timeout = timeout
-        self.busy = 0  # requests in the pool (running or waiting for a worker)
         self.template_sha256: str | None = None  # of the server's chat template, once ready
-        self._pool = ProcessPool(
-            max_workers=workers, initializer=_init_worker,
-            initargs=(name, revision, trust_remote_code, template, memory),
-            context=_context(),
-        )
+        initargs = (name, revision, trust_remote_code, template, memory)
+        self._main = _Lane("tokenized", workers, queue, initargs)
+        # Request-supplied templates: their own processes (none: they are refused before here).
+        self._request_templates = (_Lane("rendering request chat templates", request_template_workers, queue, initargs)
+                                   if request_template_workers else None)
+
+    @property
+    def busy(self) -> int:
+        return self._main.busy + (self._request_templates.busy if self._request_templates else 0)
 
     async def ready(self) -> None:
         """Wait until a worker has loaded the tokenizer (raises what its start raised)."""
-        self.template_sha256 = await asyncio.wrap_future(self._pool.schedule(_ping))
+        self.template_sha256 = await asyncio.wrap_future(self._main.pool.schedule(_ping))
+        if self._request_templates is not None:
+            await asyncio.wrap_future(self._request_templates.pool.schedule(_ping))
 
     async def encode(self, kind: str, *args: Any) -> Encoded:
         """kind "prompt": (text, add_special_tokens, keep_first); "chat": (messages, tools,
-        template, which). Raises ServiceError (Overloaded when the pool is full)."""
-        if self.busy >= self.capacity:
-            raise Overloaded(f"{self.busy} requests are being tokenized (limit {self.capacity}); retry shortly",
+        template, which). Raises ServiceError (Overloaded when its lane is full)."""
+        lane = self._main
+        if kind == "chat" and args[2] is not None and self._request_templates is not None:
+            lane = self._request_templates
+        if lane.busy >= lane.capacity:
+            raise Overloaded(f"{lane.busy} requests are being {lane.name} (limit {lane.capacity}); retry shortly",
                              reason="tokenize")
-        self.busy += 1
+        lane.busy += 1
         try:
-            future = self._pool.schedule(_encode, args=(kind, args), timeout=self.timeout)
+            future = lane.pool.schedule(_encode, args=(kind, args), timeout=self.timeout)
             return await asyncio.wrap_future(future)  # cancelling it stops the worker
         except FutureTimeout:
             raise BadInput(f"templating and tokenizing this input took longer than the server's "
                            f"--tokenize-timeout of {self.timeout:g}s; send a smaller input") from None
         except ProcessExpired as exc:
+            if exc.exitcode == EXIT_MEMORY:
+                raise TooLarge(MEMORY_MESSAGE) from None
             raise TooLarge(f"the tokenizer process died on this input ({exc}); send a smaller input") from None
         finally:
-            self.busy -= 1
+            lane.busy -= 1
 
     def close(self) -> None:
         """Stop the workers now (running tasks included) and wait for them."""
-        self._pool.stop()
-        self._pool.join(timeout=5)
+        lanes = [lane for lane in (self._main, self._request_templates) if lane is not None]
+        for lane in lanes:
+            lane.pool.stop()
+        for lane in lanes:
+            lane.pool.join(timeout=5)

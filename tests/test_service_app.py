@@ -102,12 +102,24 @@ def arena(tmp_path):
     a.close()
 
 
+class StandInSessions:
+    """The arena socket's live lease sessions (lease.ArenaSocket.sessions), without the socket."""
+
+    def __init__(self, *sessions: str):
+        self.sessions = set(sessions)
+
+
+SESSION = "session-a"
+LEASE = {"Accept": wire.LEASE_MEDIA_TYPE, "X-Hsx-Lease-Session": SESSION}
+
+
 def make_app(arena, *, serving=True, **settings):
     settings = ServiceSettings(**{"arena_bytes": arena.size, "shm_lease": True, **settings})
     engine = StandInEngine(arena)
     st = ServerState(settings=settings, extractor=engine)
     if serving:
         st.service = HiddenStatesService(settings, engine, StandInTokenizer(), st.metrics, st.gate)
+        st.arena_socket = StandInSessions(SESSION, "session-b")
     return create_app(st), st, engine
 
 
@@ -218,7 +230,7 @@ async def test_the_range_is_freed_by_whoever_owns_it(arena):
         assert d.token_ids.tolist() == [5, 6, 7] and float(d.hidden_states[2, 3, 7]) == 95.0
         assert used() == 0
         # a lease owns it until the client's release
-        r = await c.post("/hidden_states", json={"input_ids": [5, 6]}, headers={"Accept": wire.LEASE_MEDIA_TYPE})
+        r = await c.post("/hidden_states", json={"input_ids": [5, 6]}, headers=LEASE)
         lease = wire.lease_of(r.content)
         assert r.headers["content-type"] == wire.LEASE_MEDIA_TYPE and used() == 4096
         assert bytes(arena.view[lease["offset"]:lease["offset"] + 16]) == np.arange(4, dtype=np.float32).tobytes()
@@ -264,14 +276,50 @@ async def test_expired_and_shutdown_leases_free_their_ranges(arena):
     app, st, _ = make_app(arena, lease_timeout=0.2)
     async with client(app) as c:
         for _ in range(2):
-            r = await c.post("/hidden_states", json={"input_ids": [1]}, headers={"Accept": wire.LEASE_MEDIA_TYPE})
+            r = await c.post("/hidden_states", json={"input_ids": [1]}, headers=LEASE)
             assert r.status_code == 200
         assert st.extractor.allocator.used == 2 * 4096
         st.service.leases.end_all()  # what the lifespan does at shutdown
         assert st.extractor.allocator.used == 0
-        r = await c.post("/hidden_states", json={"input_ids": [1]}, headers={"Accept": wire.LEASE_MEDIA_TYPE})
+        r = await c.post("/hidden_states", json={"input_ids": [1]}, headers=LEASE)
         lease_id = json.loads(wire.parse_header(r.content)[0]["__metadata__"]["lease"])["id"]
         await asyncio.sleep(0.4)
         assert st.extractor.allocator.used == 0
         assert (await c.delete(f"/leases/{lease_id}")).status_code == 410
     assert metrics(st).get("hsx_leases_total", outcome="expired") == 3
+
+
+async def test_a_lease_needs_a_live_session_and_a_session_s_leases_are_capped(arena):
+    """Issue 25: a lease asked without a session was granted, and nothing released it
+    before --lease-timeout: a flood of them held the whole arena and every request was
+    refused 503 'memory full'. Now: without a live session, an HTTP body; within one, at
+    most --lease-max-per-session leases, and client leases hold at most half the arena."""
+    app, st, _ = make_app(arena, lease_max_per_session=3)
+    used = lambda: st.extractor.allocator.used  # noqa: E731
+    ctype = lambda r: r.headers["content-type"]  # noqa: E731
+    async with client(app) as c:
+        for session in (None, "made-up"):
+            headers = {"Accept": f"{wire.LEASE_MEDIA_TYPE}, {wire.MEDIA_TYPE};q=0.5"}
+            if session:
+                headers["X-Hsx-Lease-Session"] = session
+            for _ in range(40):  # more than the arena holds (256 ranges of 4096 bytes: below)
+                r = await c.post("/hidden_states", json={"input_ids": [5, 6]}, headers=headers)
+                assert r.status_code == 200 and ctype(r) == wire.MEDIA_TYPE, r.text
+            assert used() == 0 and len(st.service.leases) == 0
+        held = [await c.post("/hidden_states", json={"input_ids": [5, 6]}, headers=LEASE) for _ in range(5)]
+        assert [ctype(r) for r in held] == [wire.LEASE_MEDIA_TYPE] * 3 + [wire.MEDIA_TYPE] * 2
+        assert used() == 3 * 4096
+        other = await c.post("/hidden_states", json={"input_ids": [5]}, headers={**LEASE, "X-Hsx-Lease-Session": "session-b"})
+        assert ctype(other) == wire.LEASE_MEDIA_TYPE  # the cap is per session
+        st.service.leases.end_session(SESSION)  # its socket closed
+        assert used() == 4096
+        # Client leases together: at most half the arena (512 KiB of 1 MiB; 4 KiB held by session-b).
+        big = {"input_ids": [7] * 200}  # 200 tokens x 4 layers x 8 x 4 bytes: 28 KiB reserved
+        st.service.leases.per_session = 1000
+        kinds = [ctype(await c.post("/hidden_states", json=big, headers=LEASE)) for _ in range(21)]
+        fit = (arena.size // 2 - 4096) // (28 << 10)
+        assert kinds == [wire.LEASE_MEDIA_TYPE] * fit + [wire.MEDIA_TYPE] * (21 - fit), kinds
+        assert used() <= arena.size // 2
+    m = metrics(st)
+    assert m.get("hsx_leases_total", outcome="refused_session") == 2
+    assert m.get("hsx_leases_total", outcome="refused_arena") == 21 - fit

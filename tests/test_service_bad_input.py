@@ -107,3 +107,24 @@ def test_request_chat_template_refused_unless_trusted(still_serving):
     r = post(still_serving, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
                              "chat_template": "{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}"})
     assert_error(r, 400, "--trust-request-chat-template")
+
+
+def test_repeated_layers_are_refused_by_name(still_serving):
+    """Issue 25: `layers: [1, 1, 1]` was silently `[1]` (one row where the caller counted three)."""
+    assert_error(post(still_serving, {"input_ids": [1, 2], "layers": [1, 1, 1]}), 422, "repeats [1]")
+    assert_error(post(still_serving, {"input_ids": [1, 2], "layers": [6, 2, 6, 3, 2]}), 422, "repeats [2, 6]")
+    r = post(still_serving, {"input_ids": [1, 2], "layers": [6, 2]})  # distinct, any order: fine
+    assert r.status_code == 200 and decode(r.content).hidden_states.shape[1] == 2
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate", "br", "zstd", "gzip, identity"])
+def test_a_compressed_request_body_is_refused(still_serving, coding):
+    """Issue 25: a body with Content-Encoding was accepted (and parsed as if it were plain JSON)."""
+    import gzip
+
+    r = post(still_serving, content=gzip.compress(b'{"input_ids": [1, 2]}'),
+             headers={"Content-Type": "application/json", "Content-Encoding": coding})
+    assert_error(r, 415, "Content-Encoding", coding.split(",")[0], "uncompressed")
+    r = post(still_serving, content=b'{"input_ids": [1, 2]}',
+             headers={"Content-Type": "application/json", "Content-Encoding": "identity"})
+    assert r.status_code == 200, r.text

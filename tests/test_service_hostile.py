@@ -35,6 +35,8 @@ HUGE = '{% set s = "x" * 3000000000 %}{{ s|length }}'
 CHAT1 = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a time."}]
 TOKENIZE_TIMEOUT = 4.0
 BODY_TIMEOUT = 3.0
+HEADER_TIMEOUT = 2.0
+MAX_CONNECTIONS = 320  # above the 270 headers-only connections of the slow-body test
 
 
 def _args(*extra: str) -> tuple[str, ...]:
@@ -50,7 +52,8 @@ def trusting(log_dir):
     of the module stops it with SIGTERM (--shutdown-timeout 2)."""
     need_vllm()
     need_fixtures()
-    server = ServerProcess(*_args("--trust-request-chat-template", "--shutdown-timeout", "2"),
+    server = ServerProcess(*_args("--trust-request-chat-template", "--shutdown-timeout", "2",
+                                  "--header-timeout", str(HEADER_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS)),
                            log_dir=log_dir, name="trusting")
     yield server.wait_ready(timeout=1200)  # a 2-core box shared with other engines: minutes
     server.stop()
@@ -80,6 +83,33 @@ def _summary(lat: list[float]) -> str:
 
 # ----------------------------------------------------------------------- templates
 
+async def test_request_templates_never_delay_the_server_s_own_template(trusting):
+    """Issue 25: with 8 nested-loop request templates queued, a chat with the server's own
+    template waited 127 s. Request templates now run in a lane of their own
+    (--template-workers), so it is answered while they are stuck."""
+    async with httpx.AsyncClient(timeout=120) as c:
+        stuck = [asyncio.ensure_future(c.post(trusting.url + "/hidden_states",
+                                              json={"messages": CHAT1, "chat_template": NESTED}))
+                 for _ in range(8)]
+        await asyncio.sleep(0.5)  # the lane is full: its worker busy, its queue taken, the rest refused
+        # Timed on /tokenize (the same templating, no engine): on a small box the engine
+        # itself is slowed by the template burning a core, which is not what is tested here.
+        t = time.perf_counter()
+        tokens = await c.post(trusting.url + "/tokenize", json={"messages": CHAT1})
+        took = time.perf_counter() - t
+        own = await c.post(trusting.url + "/hidden_states", json={"messages": CHAT1})
+        own_s = time.perf_counter() - t - took
+        prompt = await c.post(trusting.url + "/hidden_states", json={"prompt": "Once upon a time"})
+        stuck_answers = await asyncio.gather(*stuck)
+    assert tokens.status_code == 200 and sum(tokens.json()["loss_mask"]) > 0, tokens.text
+    assert own.status_code == 200 and decode(own.content).loss_mask.sum() > 0, own.text
+    assert prompt.status_code == 200, prompt.text
+    assert took < 2.0, f"a chat with the server's template waited {took:.2f} s behind request templates"
+    assert {r.status_code for r in stuck_answers} <= {400, 503}
+    print(f"\nwith 8 nested-loop request templates queued: the server's template tokenized in {took * 1000:.0f} ms, "
+          f"/hidden_states of that chat {own_s * 1000:.0f} ms")
+
+
 async def test_eight_nested_loop_templates_are_stopped_and_input_ids_never_wait(trusting):
     rss0 = tree_rss(trusting.proc.pid)
     done = asyncio.Event()
@@ -105,12 +135,21 @@ async def test_eight_nested_loop_templates_are_stopped_and_input_ids_never_wait(
           f"server tree RSS {rss0 / 2**20:.0f} -> {tree_rss(trusting.proc.pid) / 2**20:.0f} MiB")
 
 
+def _descendants(server) -> set[int]:
+    return {p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)}
+
+
 def test_a_three_gigabyte_string_template_is_bounded(trusting):
+    # A request template that renders: the lane's worker exists (a killed one's successor too).
+    assert post(trusting, {"messages": CHAT1, "chat_template": (TEMPLATES / "llama3.jinja").read_text()}).status_code == 200
     rss0 = tree_rss(trusting.proc.pid)
+    pids = _descendants(trusting)
     t0 = time.perf_counter()
     r = post(trusting, {"messages": CHAT1, "chat_template": HUGE})
     took = time.perf_counter() - t0
     assert r.status_code == 413 and "--tokenize-memory" in r.json()["error"]["message"], r.text
+    # Issue 25: the process that hit the limit is replaced at once (it kept its memory for 20 s).
+    wait_until(lambda: pids - _descendants(trusting), 5, "the tokenizer process that hit --tokenize-memory exited")
     rss1 = tree_rss(trusting.proc.pid)
     assert rss1 < rss0 + (1 << 30)  # bounded by --tokenize-memory, not 9 GB
     assert post(trusting, {"messages": CHAT1}).status_code == 200
@@ -252,6 +291,76 @@ def test_docs_work_offline(trusting):
     assert "cdn." not in page and "/docs/swagger-ui-bundle.js" in page
     js = httpx.get(trusting.url + "/docs/swagger-ui-bundle.js")
     assert js.status_code == 200 and len(js.content) > 100_000
+
+
+# ------------------------------------------------------- connections without a request
+
+def _slowloris(port: int, silent: int, slow: int, rounds: int, stop: list) -> list[socket.socket]:
+    """`silent` connections that say nothing and `slow` ones sending a header byte every
+    0.5 s (up to `rounds` bytes, or until `stop` holds something)."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(silent + slow)]
+    line = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * rounds
+    for i in range(rounds):
+        if stop:
+            break
+        for s in socks[silent:]:
+            try:
+                s.sendall(line[i:i + 1])
+            except OSError:  # closed by the server
+                pass
+        time.sleep(0.5)
+    return socks
+
+
+def _closed(s: socket.socket) -> bool:
+    s.settimeout(0.01)
+    try:
+        while True:
+            if not s.recv(4096):
+                return True
+    except socket.timeout:
+        return False
+    except OSError:
+        return True
+
+
+async def test_slowloris_and_connection_floods_are_shed_and_normal_requests_answered(trusting):
+    """Issue 25: 500 silent connections and 300 sending a header byte a second were never
+    closed, and ~20,000 idle ones took every file descriptor (/health could not connect).
+    Now a connection has --header-timeout to send its headers, and beyond
+    --max-connections the longest-idle one makes room: a normal request and /health are
+    answered during the flood, and every flood connection is closed and counted."""
+    port = urlparse(trusting.url).port
+    before = trusting.metrics()
+    stop: list = []
+    flood = asyncio.ensure_future(asyncio.to_thread(_slowloris, port, MAX_CONNECTIONS, 60, 8, stop))
+    try:
+        await asyncio.sleep(1.0)  # all connected (380 > --max-connections 320), bytes trickling
+        async with httpx.AsyncClient(timeout=10) as c:
+            t = time.perf_counter()
+            r = await c.post(trusting.url + "/hidden_states", json={"input_ids": [1, 2, 3, 4]})
+            took = time.perf_counter() - t
+            health = await c.get(trusting.url + "/health")
+    finally:
+        stop.append(True)
+        socks = await flood
+    try:
+        assert r.status_code == 200 and decode(r.content).hidden_states.shape[0] == 4, r.text
+        assert took < 1.0, f"/hidden_states took {took:.2f} s during the flood"
+        assert health.status_code == 200
+        await asyncio.to_thread(wait_until, lambda: all(_closed(s) for s in socks), HEADER_TIMEOUT + 10,
+                                "every flood connection was closed")
+    finally:
+        for s in socks:
+            s.close()
+    m = trusting.metrics()
+    shed = {k: m.get("hsx_connections_shed_total", 0, reason=k) - before.get("hsx_connections_shed_total", 0, reason=k)
+            for k in ("header_timeout", "evicted", "refused")}
+    assert shed["evicted"] >= 60 - 5 and shed["refused"] == 0, shed  # beyond the cap: the oldest silent ones
+    assert shed["header_timeout"] + shed["evicted"] >= len(socks), shed
+    assert m.get("hsx_connections_open") <= 5  # the flood is gone: the scrape and a few idle ones
+    print(f"\nslowloris flood of {len(socks)} connections (cap {MAX_CONNECTIONS}): /hidden_states in "
+          f"{took * 1000:.0f} ms; closed {shed}")
 
 
 # ------------------------------------------------------------------ SIGTERM drain

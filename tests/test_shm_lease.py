@@ -14,6 +14,7 @@ import json
 import random
 import signal
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -231,6 +232,7 @@ async def test_leased_states_equal_the_http_body(tiny_server):
 # timeout only has to be long enough for the other samples' stores (3 s, for a few KB).
 
 LEASE_TIMEOUT = 3.0
+SESSION_CAP = 4
 
 
 def _start_leasing(tiny_model, log_dir) -> ServerProcess:
@@ -239,6 +241,7 @@ def _start_leasing(tiny_model, log_dir) -> ServerProcess:
         str(tiny_model), "--dtype", "float32", "--max-model-len", "1024", "--layers", "1,2,4,6",
         "--api-key", OTHER_KEY, "--lease-api-key", KEY,
         "--lease-timeout", str(LEASE_TIMEOUT), "--arena-bytes", str(16 << 20), "--shutdown-timeout", "30",
+        "--lease-max-per-session", str(SESSION_CAP),
         log_dir=log_dir, name="leasing",
     ).wait_ready()
 
@@ -381,6 +384,49 @@ async def test_a_key_not_marked_for_leases_gets_http_bodies(leasing):
     assert wire.decode(r.content).hidden_states.shape[0] == 3
     async with HsxClient(leasing.url, api_key=OTHER_KEY) as client:
         assert (await client.hidden_states_response({"input_ids": [1, 5, 6]}, lease_ok=True)).lease is None
+
+
+@pytest.mark.engine
+async def test_a_lease_flood_leaves_normal_requests_answered(leasing):
+    """Issue 25: leases asked without a lease session were granted and held until
+    --lease-timeout; a flood of them took the whole arena and normal requests got 503
+    "memory full". Now a request without a live session gets an HTTP body, and one session
+    holds at most --lease-max-per-session leases (beyond: bodies): after the flood a normal
+    request is answered at once, and the arena is empty again once the session ends."""
+    ids = [1] + [7 + i % 900 for i in range(511)]  # 512 tokens x 4 layers x 128 x 4 bytes: 1 MiB a lease
+    lease_accept = f"{wire.LEASE_MEDIA_TYPE}, {wire.MEDIA_TYPE};q=0.5"
+
+    async def flood(c: httpx.AsyncClient, headers: dict, n: int) -> list[httpx.Response]:
+        return [await c.post(leasing.url + "/hidden_states", json={"input_ids": ids}, headers=headers)
+                for _ in range(n)]
+
+    offer = httpx.get(leasing.url + "/info", headers=AUTH).json()["shm_lease"]
+    arena = await asyncio.to_thread(shm.attach, offer, KEY)
+    try:
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as c:
+            # 4 clients x 8 session-less lease requests: 32 MiB of states, twice the arena.
+            answers = sum(await asyncio.gather(*(flood(c, {"Accept": lease_accept}, 8) for _ in range(4))), [])
+            assert [r.status_code for r in answers] == [200] * 32, answers[-1].text
+            assert {r.headers["content-type"] for r in answers} == {wire.MEDIA_TYPE}  # bodies, no lease
+            expired = _expired(leasing)
+            in_session = await asyncio.gather(*(flood(c, {"Accept": lease_accept, shm.SESSION_HEADER: arena.session}, 1)
+                                                for _ in range(2 * SESSION_CAP)))
+            leased = [r[0].headers["content-type"] for r in in_session].count(wire.LEASE_MEDIA_TYPE)
+            # Exactly the cap, unless one of them expired meanwhile (--lease-timeout 3 s) and made room.
+            assert SESSION_CAP <= leased <= SESSION_CAP + _expired(leasing) - expired, leased
+            m = leasing.metrics()
+            assert m.get("hsx_leases_live") <= SESSION_CAP
+            assert m.get("hsx_leases_total", outcome="refused_session") == 2 * SESSION_CAP - leased
+            t = time.perf_counter()
+            normal = await c.post(leasing.url + "/hidden_states", json={"input_ids": ids})
+            took = time.perf_counter() - t
+            assert normal.status_code == 200 and wire.decode(normal.content).hidden_states.shape[0] == 512
+            assert took < 1.0, f"a normal request took {took:.2f} s after the flood"
+    finally:
+        arena.close()  # the session ends: its leases go at once
+    await asyncio.to_thread(wait_until, lambda: leasing.metrics().get("hsx_arena_used_bytes") == 0, 10,
+                            "the session's leases were released when it closed")
+    print(f"after a lease flood a normal request took {took * 1000:.0f} ms")
 
 
 HOLDER = """
