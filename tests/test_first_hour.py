@@ -229,6 +229,7 @@ def test_bad_rows_are_listed_with_file_and_line_in_the_summary_and_in_dir(tmp_pa
     assert f"  {data}:{N + 1}: no input_ids" in text
 
 
+@pytest.mark.slow  # > 2 s without an engine
 def test_mt_bench_questions_alone_say_why_no_row_is_usable(tmp_path):
     q = CHAT / "mt_bench" / "question.jsonl"
     if not q.exists():

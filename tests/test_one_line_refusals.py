@@ -51,6 +51,7 @@ def test_missing_input_is_one_line(tmp_path, data):
     assert cli
 
 
+@pytest.mark.slow  # > 2 s without an engine
 def test_output_that_is_a_file_or_under_a_file_is_one_line(tmp_path, data):
     f = tmp_path / "afile"
     f.write_text("x")
@@ -80,6 +81,7 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", str(m)], capture_output=True)
 
 
+@pytest.mark.slow  # > 2 s without an engine
 def test_read_only_output_is_one_line(tmpfs, data):
     mnt = tmpfs("ro,size=1m")
     one_line(cli_run(["--server", "http://127.0.0.1:9", "--input", str(data), "--output", str(mnt / "corpus"),
@@ -156,6 +158,7 @@ def test_leftovers_of_a_killed_finalize_are_cleaned_on_the_next_start(tmp_path, 
 
 
 # ------------------------------------------------------------------ fail fast (10.6)
+@pytest.mark.slow  # > 2 s without an engine
 def test_a_wrong_port_fails_within_seconds_with_one_line(tmp_path, data):
     from test_client_api import dead_url
 

@@ -103,6 +103,7 @@ def dead_port() -> int:
     return port
 
 
+@pytest.mark.slow  # > 2 s without an engine
 async def test_failures_are_the_right_httpx_errors(url):
     """httpx-aiohttp 0.2.0 alone maps a refused connection to ConnectTimeout (HsxClient
     would say "no connection within 5 s"): client/transport.py gives it ConnectError."""
@@ -200,6 +201,7 @@ async def test_cancelled_request_closes_its_connection():
     srv.close()
 
 
+@pytest.mark.slow  # > 2 s without an engine
 async def test_pooled_connection_closed_by_the_server_is_retried_by_hsx_client():
     """The server closes a keep-alive connection just as the next request arrives (its idle
     timeout): HsxClient sends it again on a new connection (POST /hidden_states is safe to

@@ -41,6 +41,7 @@ def run_pool(tmp_path, workers=2, stop_after=None, **behaviour):
     return st, pool, lines
 
 
+@pytest.mark.slow  # > 2 s without an engine
 def test_every_sample_once_across_workers(tmp_path):
     st, pool, lines = run_pool(tmp_path, workers=3)
     assert sorted(lines) == list(range(N)) and st.fatal is None and pool.deaths == 0
@@ -49,6 +50,7 @@ def test_every_sample_once_across_workers(tmp_path):
     assert st.life_s == pytest.approx(2.25)  # the bench's profile: every worker's books reach the parent
 
 
+@pytest.mark.slow  # > 2 s without an engine
 def test_the_clock_starts_once_every_worker_is_ready(tmp_path):
     """on_start (hsx bench's t0) waits for the worker processes' start-up, so a run's
     figure is its requests' time, as with the in-process loop; then every sample is done."""
@@ -74,6 +76,7 @@ def test_a_dead_worker_s_half_written_files_go_at_once(tmp_path):
     assert not [p for p in (tmp_path / "out").rglob("*") if store.TMP_MARK in p.name]
 
 
+@pytest.mark.slow  # > 2 s without an engine
 def test_workers_that_keep_dying_stop_the_run_resumable(tmp_path):
     st, pool, lines = run_pool(tmp_path, die_after=2)
     assert pool.deaths > RESTARTS
