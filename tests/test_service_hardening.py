@@ -114,7 +114,9 @@ def test_message_count_limit(guarded):
 def test_layer_subset_limit(guarded):
     r = post(guarded, {"input_ids": [1, 2], "layers": [2, 3, 6, 7]})
     assert r.status_code == 400 and "[7]" in r.json()["error"]["message"]
-    d = decode(post(guarded, {"input_ids": [1, 2], "layers": [6, 6, 2]}).content)
+    r = post(guarded, {"input_ids": [1, 2], "layers": [6, 6, 2]})  # a repeat is refused, not silently dropped
+    assert r.status_code == 422 and "[6]" in r.json()["error"]["message"]
+    d = decode(post(guarded, {"input_ids": [1, 2], "layers": [6, 2]}).content)
     assert d.layer_ids == [2, 6]
 
 
