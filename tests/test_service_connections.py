@@ -45,7 +45,8 @@ class App:
 
 
 @pytest.fixture(params=["httptools", "h11"])
-def server(request):
+def uvicorn_server(request):
+    """Not named `server`: conftest's engine guard knows fixtures by name, and `server` elsewhere starts an engine."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -94,9 +95,9 @@ def _closed_within(s: socket.socket, seconds: float) -> bytes | None:
         return got
 
 
-def test_silent_and_slow_header_connections_are_closed_after_the_deadline(server):
-    silent = [_connect(server.port) for _ in range(6)]
-    slow = [_connect(server.port) for _ in range(6)]
+def test_silent_and_slow_header_connections_are_closed_after_the_deadline(uvicorn_server):
+    silent = [_connect(uvicorn_server.port) for _ in range(6)]
+    slow = [_connect(uvicorn_server.port) for _ in range(6)]
     t0 = time.monotonic()
     # One header byte each every 0.1 s (the issue's slowloris: a byte a second).
     request = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
@@ -105,7 +106,7 @@ def test_silent_and_slow_header_connections_are_closed_after_the_deadline(server
             s.sendall(request[i:i + 1])
         time.sleep(0.1)
     # Meanwhile a normal request is answered at once.
-    r = httpx.get(server.url + "/health", timeout=2)
+    r = httpx.get(uvicorn_server.url + "/health", timeout=2)
     assert r.status_code == 200
     for s in silent:
         assert _closed_within(s, 5) == b""  # closed, nothing said: nothing had come
@@ -114,9 +115,9 @@ def test_silent_and_slow_header_connections_are_closed_after_the_deadline(server
         assert got is not None and got.startswith(b"HTTP/1.1 408"), got
     took = time.monotonic() - t0
     assert HEADER_TIMEOUT <= took < HEADER_TIMEOUT + 3
-    assert server.metrics().get("hsx_connections_shed_total", reason="header_timeout") == 12
+    assert uvicorn_server.metrics().get("hsx_connections_shed_total", reason="header_timeout") == 12
     # A keep-alive connection's next request is bounded the same way, from its first byte.
-    with _connect(server.port) as s:
+    with _connect(uvicorn_server.port) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         time.sleep(HEADER_TIMEOUT + 0.3)  # idle after a response: uvicorn's keep-alive timeout, not this one
         s.sendall(b"GET /hea")
@@ -124,14 +125,14 @@ def test_silent_and_slow_header_connections_are_closed_after_the_deadline(server
         assert got is not None and got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in got, got
 
 
-def test_beyond_the_cap_idle_connections_make_room_and_are_counted(server):
-    flood = [_connect(server.port) for _ in range(3 * CAP)]
+def test_beyond_the_cap_idle_connections_make_room_and_are_counted(uvicorn_server):
+    flood = [_connect(uvicorn_server.port) for _ in range(3 * CAP)]
     time.sleep(0.1)
-    assert len(server.guard.open) <= CAP
+    assert len(uvicorn_server.guard.open) <= CAP
     t = time.monotonic()
-    r = httpx.get(server.url + "/health", timeout=2)
+    r = httpx.get(uvicorn_server.url + "/health", timeout=2)
     assert r.status_code == 200 and time.monotonic() - t < 1.0
-    m = server.metrics()
+    m = uvicorn_server.metrics()
     assert m.get("hsx_connections_shed_total", reason="evicted") >= 2 * CAP
     assert m.get("hsx_connections_open") <= CAP
     closed = sum(_closed_within(s, 0.01) is not None for s in flood)  # the oldest were closed
@@ -140,22 +141,22 @@ def test_beyond_the_cap_idle_connections_make_room_and_are_counted(server):
         s.close()
 
 
-def test_when_every_connection_is_busy_the_probes_still_answer(server):
+def test_when_every_connection_is_busy_the_probes_still_answer(uvicorn_server):
     async def scenario():
         async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=None)) as c:
-            busy = [asyncio.ensure_future(c.get(server.url + "/slow")) for _ in range(CAP)]
-            while len(server.guard.open) < CAP:
+            busy = [asyncio.ensure_future(c.get(uvicorn_server.url + "/slow")) for _ in range(CAP)]
+            while len(uvicorn_server.guard.open) < CAP:
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.1)
             async with httpx.AsyncClient(timeout=5) as probe:  # a connection of its own
-                health = await probe.get(server.url + "/health")
+                health = await probe.get(uvicorn_server.url + "/health")
             async with httpx.AsyncClient(timeout=5) as other:
-                refused_route = await other.get(server.url + "/slow")
+                refused_route = await other.get(uvicorn_server.url + "/slow")
             # Silent connections beyond the reserve take each other's places, never a busy one's.
-            held = [_connect(server.port) for _ in range(2 * PROBE_RESERVE)]
+            held = [_connect(uvicorn_server.port) for _ in range(2 * PROBE_RESERVE)]
             await asyncio.sleep(0.1)
             closed = sum([await asyncio.to_thread(_closed_within, h, 0.01) is not None for h in held])
-            server.app.release.set()
+            uvicorn_server.app.release.set()
             done = await asyncio.gather(*busy)
             for h in held:
                 h.close()
@@ -166,7 +167,7 @@ def test_when_every_connection_is_busy_the_probes_still_answer(server):
     assert refused_route.status_code == 503 and "--max-connections" in refused_route.json()["error"]["message"]
     assert closed >= PROBE_RESERVE
     assert [r.status_code for r in done] == [200] * CAP  # the busy ones were never touched
-    assert server.metrics().get("hsx_rejected_total", reason="connections") == 1
+    assert uvicorn_server.metrics().get("hsx_rejected_total", reason="connections") == 1
 
 
 class Busy:
