@@ -110,11 +110,6 @@ def _fault(point: str, n: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------- plan
-def not_stored(sh: Shard) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
-    """(failed, dropped) samples of a shard, by its own index."""
-    return split_dropped(sh.failed)
-
-
 def global_index(sh: Shard, i: int) -> int:
     """A shard's sample index in the global plan (shards are contiguous slices of it)."""
     return int(sh.section["start"]) + i
@@ -174,8 +169,8 @@ def _dst_files(fmt: Any, row: Row) -> list[tuple[str, str, dict[str, Any]]]:
 def legacy_index_header(path: Path) -> tuple[int, bytes] | None:
     """(old header length, the header without its "index") of a speculators sample file
     written before files stopped naming their sample index, else None. Such a file is
-    rewritten, not linked: in the merged corpus it sits at another index than the one
-    it names."""
+    rewritten (store.copy_file_atomic's `head`), not linked: in the merged corpus it sits
+    at another index than the one it names."""
     if path.suffix != ".safetensors":
         return None
     with open(path, "rb") as f:
@@ -196,35 +191,6 @@ def legacy_index_header(path: Path) -> tuple[int, bytes] | None:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # the data stays 8-byte aligned, as safetensors writes it
     return 8 + n, struct.pack("<Q", len(raw)) + raw
-
-
-def rewrite_without_index(src: Path, dst: Path, old_len: int, header: bytes, expected: tuple[str, str] | None,
-                          chunk: int = 8 << 20) -> dict[str, Any]:
-    """`dst` = `header` + `src`'s tensor bytes, atomically; `src` is checked against its
-    recorded checksum on the way. Returns the new file's manifest meta."""
-    old_hash = store.new_hash(expected[0] if expected else store.HASH_ALGO)
-    new_hash = store.new_hash()
-    size = 0
-
-    def write(tmp: Path) -> None:
-        nonlocal size
-        with open(src, "rb") as fi, open(tmp, "xb") as fo:
-            old_hash.update(fi.read(old_len))
-            fo.write(header)
-            new_hash.update(header)
-            size = len(header)
-            while block := fi.read(chunk):
-                old_hash.update(block)
-                new_hash.update(block)
-                fo.write(block)
-                size += len(block)
-            fo.flush()
-            os.fsync(fo.fileno())
-        if expected is not None and old_hash.hexdigest() != expected[1]:
-            raise store.ChecksumError(f"{src}: {expected[0]} differs from the recorded one (the file is corrupted)")
-
-    store._replace_via_tmp(Path(dst), write)
-    return {"size": size, store.HASH_ALGO: new_hash.hexdigest()}
 
 
 class Placer:
@@ -256,9 +222,9 @@ class Placer:
         legacy = legacy_index_header(src)
         try:
             if legacy is not None:
-                new_meta = rewrite_without_index(src, dst, *legacy, store.recorded_digest(meta))
+                digest = store.copy_file_atomic(src, dst, expected=store.recorded_digest(meta), head=legacy)
                 self.rewrites += 1
-                return new_meta
+                return {"size": os.stat(dst).st_size, store.HASH_ALGO: digest}
             if st.st_dev not in self._no_link:
                 try:
                     os.link(src, dst)
@@ -429,15 +395,16 @@ class Merger:
         # Per-shard facts are combined, not compared (merge_check): each shard's failed and
         # dropped samples by key, and all of them by their index in the global plan (the
         # merged corpus's own numbering holds only stored samples: they have none there).
+        not_stored = [split_dropped(sh.failed) for sh in shards]  # (failed, dropped) by the shard's index
         merge["shards"] = [
             {**s, "created_at": sh.corpus.get("created_at"), "tokens": sh.corpus.get("counts", {}).get("tokens"),
              "versions": sh.corpus.get("versions"),
-             "failed_keys": [sh.plan["keys"][i] for i in sorted(not_stored(sh)[0])],
-             "dropped_keys": [sh.plan["keys"][i] for i in sorted(not_stored(sh)[1])]}
-            for s, sh in zip(plan["merge"]["shards"], shards)
+             "failed_keys": [sh.plan["keys"][i] for i in sorted(failed)],
+             "dropped_keys": [sh.plan["keys"][i] for i in sorted(dropped)]}
+            for s, sh, (failed, dropped) in zip(plan["merge"]["shards"], shards, not_stored)
         ]
-        merge["global_failed_indices"] = sorted(global_index(sh, i) for sh in shards for i in not_stored(sh)[0])
-        merge["global_dropped_indices"] = sorted(global_index(sh, i) for sh in shards for i in not_stored(sh)[1])
+        merge["global_failed_indices"] = sorted(global_index(sh, i) for sh, (f, _) in zip(shards, not_stored) for i in f)
+        merge["global_dropped_indices"] = sorted(global_index(sh, i) for sh, (_, d) in zip(shards, not_stored) for i in d)
         corpus.update(
             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             inputs=c0.get("inputs"),

@@ -179,29 +179,42 @@ class ChecksumError(StoreError):
 
 
 def copy_file_atomic(src: Path, dst: Path, *, expected: tuple[str, str] | None = None,
-                     chunk: int = 8 << 20) -> str:
+                     head: tuple[int, bytes] | None = None, chunk: int = 8 << 20) -> str:
     """Copy `src` to `dst` atomically (temporary name, fsync, rename), hashing the bytes on
-    the way; returns their digest. With `expected` (algorithm, digest: `recorded_digest`),
-    another digest raises ChecksumError and `dst` is left as it was. The caller fsyncs
-    `dst`'s directory."""
+    the way; returns the digest of what was written. With `expected` (algorithm, digest:
+    `recorded_digest`), a source of another digest raises ChecksumError and `dst` is left as
+    it was. `head` (n, data): the source's first n bytes are written as `data` instead (the
+    returned digest is then HASH_ALGO's of the new file). The caller fsyncs `dst`'s directory."""
     algo = expected[0] if expected is not None else HASH_ALGO
-    h = new_hash(algo)
+    h = new_hash(algo)  # the source's bytes
+    out = h if head is None else new_hash()  # the written bytes: the same unless the head changes
+
+    def write_all(fo: Any, data: Any) -> None:
+        while data:
+            data = data[fo.write(data):]
 
     def write(tmp: Path) -> None:
         buf = bytearray(chunk)
         view = memoryview(buf)
         with open(src, "rb", buffering=0) as fi, open(tmp, "xb", buffering=0) as fo:
+            if head is not None:
+                old_len, data = head
+                while old_len > 0 and (part := fi.read(old_len)):  # a raw read may return less
+                    h.update(part)
+                    old_len -= len(part)
+                out.update(data)
+                write_all(fo, memoryview(data))
             while n := fi.readinto(buf):
                 h.update(view[:n])
-                part = view[:n]
-                while part:
-                    part = part[fo.write(part):]
+                if out is not h:
+                    out.update(view[:n])
+                write_all(fo, view[:n])
             os.fsync(fo.fileno())
         if expected is not None and h.hexdigest() != expected[1]:
             raise ChecksumError(f"{src}: {algo} differs from the recorded one (the file is corrupted)")
 
     _replace_via_tmp(Path(dst), write)
-    return h.hexdigest()
+    return out.hexdigest()
 
 
 def write_file_atomic(path: Path, data: FileData) -> None:
@@ -222,9 +235,14 @@ def temp_dir(root: Path, what: str) -> Path:
     return path
 
 
+def _not_relative_inside(p: Path) -> bool:
+    """Absolute, empty, or climbing out with `..`: not a path below a root."""
+    return p.is_absolute() or ".." in p.parts or not p.parts
+
+
 def safe_join(root: Path, rel: str, *, reserved_ok: bool = False) -> Path:
     p = Path(rel)
-    if p.is_absolute() or ".." in p.parts or not p.parts:
+    if _not_relative_inside(p):
         raise ValueError(f"refusing to write outside the output dir: {rel!r}")
     if not reserved_ok and len(p.parts) == 1 and p.name in RESERVED:
         raise ValueError(f"{rel!r} is a name the store reserves")
@@ -241,7 +259,7 @@ def inside(root: Path, rel: str) -> Path:
     outside `root` through a symlink: a tampered record must not make a reader (verify,
     merge, resume) open or link a file elsewhere."""
     p = Path(rel)
-    if p.is_absolute() or ".." in p.parts or not p.parts:
+    if _not_relative_inside(p):
         raise UnsafePathError(f"{rel!r} is not a path inside the corpus")
     full = Path(root) / p
     real_root, real = os.path.realpath(root), os.path.realpath(full)
