@@ -77,16 +77,19 @@ def verify_samples(
     return bad
 
 
+def _sample_path_fns(fmt: Any) -> list[Callable[[int], str]]:
+    """The format's per-sample path functions (index -> relative path)."""
+    return [fn for fn in (getattr(fmt, attr, None) for attr in ("hs_path", "ckpt_path")) if fn is not None]
+
+
 def _format_paths_outside(fmt: Any, out: Path, index: int) -> list[str]:
     """The format reads sample `index` from its own path: not through a symlink out."""
     problems = []
-    for attr in ("hs_path", "ckpt_path"):
-        fn = getattr(fmt, attr, None)
-        if fn is not None:
-            try:
-                store.inside(out, fn(index))
-            except store.UnsafePathError as exc:
-                problems.append(str(exc))
+    for fn in _sample_path_fns(fmt):
+        try:
+            store.inside(out, fn(index))
+        except store.UnsafePathError as exc:
+            problems.append(str(exc))
     return problems
 
 
@@ -105,9 +108,8 @@ def _still_at_old_name(out: Path, entry: dict[str, Any]) -> bool:
 
 def renumbered_path(fmt: Any, rel: str, old: int, new: int) -> str:
     """The path of a sample file after finalize moved sample `old` to `new`."""
-    for attr in ("hs_path", "ckpt_path"):
-        fn = getattr(fmt, attr, None)
-        if fn is not None and fn(old) == rel:
+    for fn in _sample_path_fns(fmt):
+        if fn(old) == rel:
             return fn(new)
     return rel
 
