@@ -146,9 +146,14 @@ def make_tiny_model(
     dtype: str = "float32",
     seed: int = 0,
     mla: dict | None = None,
+    config_overrides: dict | None = None,
+    weights: bool = True,
 ) -> Path:
     """Write a random model of `family` (head_dim = hidden/heads must be >= 32 for vLLM CPU).
-    `mla` overrides deepseek_v3's MLA head sizes (DEEPSEEK_MLA), e.g. to provoke vLLM's refusal."""
+    `mla` overrides deepseek_v3's MLA head sizes (DEEPSEEK_MLA), e.g. to provoke vLLM's refusal.
+    `config_overrides` sets config fields after the family's defaults (e.g. n_routed_experts).
+    `weights=False` writes the config and tokenizer only, for vLLM's `--load-format dummy`: a
+    model the size of a real one (a benchmark's shape) without writing its weights."""
     import torch
 
     out = Path(out)
@@ -159,6 +164,15 @@ def make_tiny_model(
         num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings, mla=mla,
     )
+    for key, value in (config_overrides or {}).items():
+        if not hasattr(config, key):
+            raise ValueError(f"{family} config has no field {key!r}")
+        setattr(config, key, value)
+    if not weights:
+        config.architectures = [model_cls.__name__]  # save_pretrained of a model would write it
+        config.save_pretrained(out)
+        _finish_config(out, family, dtype)
+        return out
     torch.manual_seed(seed)
     model = model_cls(config).to(getattr(torch, dtype))
     with torch.no_grad():
@@ -176,6 +190,11 @@ def make_tiny_model(
                 if name.endswith("e_score_correction_bias"):
                     b.add_(torch.randn_like(b) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
+    _finish_config(out, family, dtype)
+    return out
+
+
+def _finish_config(out: Path, family: str, dtype: str) -> None:
     cfg = json.loads((out / "config.json").read_text())
     cfg["torch_dtype"] = dtype
     if family == "deepseek_v3":
@@ -185,7 +204,6 @@ def make_tiny_model(
         # scoring_func vLLM routes by softmax.
         cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
 
 
 def make_tiny_llama(out: str | os.PathLike, **kwargs) -> Path:

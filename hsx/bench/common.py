@@ -37,7 +37,7 @@ def fmt_bytes(n: float | None) -> str:
 # ------------------------------------------------------------------ model and prompts
 def parse_spec(spec: str) -> dict[str, Any]:
     keys = {"layers": int, "hidden": int, "ffn": int, "heads": int, "kv_heads": int, "vocab": int,
-            "dtype": str, "max_pos": int, "seed": int}
+            "dtype": str, "max_pos": int, "seed": int, "family": str, "weights": int, **_CONFIG_KEYS}
     out: dict[str, Any] = {}
     for part in spec.split(","):
         if not part.strip():
@@ -50,9 +50,17 @@ def parse_spec(spec: str) -> dict[str, Any]:
     return out
 
 
+# Spec keys that set a field of the family's config (hsx.tiny_model's config_overrides).
+_CONFIG_KEYS = {"experts": int, "topk": int, "moe_ffn": int, "q_lora": int}
+_CONFIG_FIELDS = {"experts": "n_routed_experts", "topk": "num_experts_per_tok", "moe_ffn": "moe_intermediate_size",
+                  "q_lora": "q_lora_rank"}
+
+
 def ensure_model(spec: str, workdir: Path, prompt_len: int) -> Path:
-    """A random Llama built by hsx.tiny_model in a child process (kept out of this
-    process's RSS), reused from `workdir` when an identical one is there."""
+    """A random model built by hsx.tiny_model in a child process (kept out of this
+    process's RSS), reused from `workdir` when an identical one is there. `family=` picks the
+    architecture (llama by default); `weights=0` writes no weights: serve it with
+    `--engine-arg=--load-format=dummy` (a real model's size without writing its weights)."""
     s = parse_spec(spec)
     s.setdefault("max_pos", max(2048, prompt_len + 64))
     slug = "-".join(f"{k}{v}" for k, v in sorted(s.items()))
@@ -66,9 +74,12 @@ def ensure_model(spec: str, workdir: Path, prompt_len: int) -> Path:
         "intermediate_size": s.get("ffn", 4 * s.get("hidden", 128)), "num_heads": s.get("heads", 4),
         "num_kv_heads": s.get("kv_heads", s.get("heads", 4)), "vocab_size": s.get("vocab", 1024),
         "max_position_embeddings": s["max_pos"], "dtype": s.get("dtype", "bfloat16"), "seed": s.get("seed", 0),
+        "weights": bool(s.get("weights", 1)),
+        "config_overrides": {_CONFIG_FIELDS[k]: v for k, v in s.items() if k in _CONFIG_FIELDS},
     }
-    log(f"model: writing a random Llama {kwargs} to {path}")
-    code = f"from hsx.tiny_model import make_tiny_llama; make_tiny_llama({str(path)!r}, **{kwargs!r})"
+    family = s.get("family", "llama")
+    log(f"model: writing a random {family} {kwargs} to {path}")
+    code = f"from hsx.tiny_model import make_tiny_model; make_tiny_model({str(path)!r}, {family!r}, **{kwargs!r})"
     subprocess.run([sys.executable, "-c", code], check=True)
     (path / ".hsx-bench-complete").write_text(spec)
     return path

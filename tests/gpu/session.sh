@@ -170,8 +170,26 @@ bench17)
         "${remote_bench[@]}" "${server[@]}" --workers "$workers" --out "$out/bench17-$tag.json" 2>&1 \
         | tee "$out/bench17-$tag.log"
     ;;
+benchds)
+    # Issue 27 item 4: a DeepSeek-V3 / Kimi-K2-shaped target (hidden 7168, MLA with DeepSeek's head
+    # sizes and q_lora 1536, 128 heads, sigmoid noaux_tc MoE with 2048-wide experts, 8 per token + 1
+    # shared, the first layer dense with an 18432-wide MLP, vocab 129280) cut to what one H200 holds
+    # in bf16 with room for the KV cache: 12 layers, 64 routed experts (~70 GB of weights). vLLM's
+    # dummy weights (no 70 GB checkpoint to write); layers [2, N//2, N-3, N] as the issue asks.
+    # Leases and HTTP (identity, zstd) against plain prefill in the same process.
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    workers=${3:-16}
+    ds="family=deepseek_v3,layers=12,hidden=7168,ffn=18432,moe_ffn=2048,experts=64,topk=8,q_lora=1536,heads=128"
+    ds="$ds,kv_heads=128,vocab=129280,dtype=bfloat16,max_pos=4096,weights=0"
+    python3 -m hsx.cli bench --make-model "$ds" --prompts 128 --prompt-len 2048 --layers 2,6,9,12 --concurrency 64 \
+        --warmup 16 --engine-arg=--load-format=dummy --engine-arg=--max-num-batched-tokens=16384 \
+        --engine-arg=--gpu-memory-utilization=0.85 --modes "${MODES:-a,c}" \
+        --transfer "${TRANSFER:-auto,http:none,http:zstd}" "${remote_bench[@]}" --workers "$workers" \
+        --out "$out/benchds-w$workers-$ver.json" 2>&1 | tee "$out/benchds-w$workers-$ver.log"
+    ;;
 *)
-    echo "session.sh: unknown step $step (prepare, stash, check, extra, mla, bench, bench17)" >&2
+    echo "session.sh: unknown step $step (prepare, stash, check, extra, mla, quant, bitequal, bench, bench17, benchds)" >&2
     exit 2
     ;;
 esac
