@@ -152,7 +152,7 @@ def main() -> int:
               f"{result[name]['after_last_byte_s']:.3f} s")
     result["request_ratio"] = round(result["streamed"]["request_s"] / result["whole_then_decode"]["request_s"], 3)
     print(f"streamed / whole-then-decode, time per request: {result['request_ratio']:.3f}")
-    from hsx.bench.common import hardware
+    from hsx_tools.bench.common import hardware
 
     result["hardware"] = hardware()
     if args.out:

@@ -28,7 +28,7 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     prompts, length = 16, 128
     cmd = [
-        sys.executable, "-m", "hsx.cli", "bench", "--quick",
+        sys.executable, "-m", "hsx_tools.cli", "bench", "--quick",
         "--prompts", str(prompts), "--prompt-len", str(length), "--concurrency", "4", "--warmup", "2",
         "--workdir", str(tmp_path / "work"), "--out", str(out), "--transfer", "auto,http", "--rss-soak", "1",
         "--codec", "bf16split", "--client-process",  # the remote path's coding; the client in its own tree
@@ -86,7 +86,7 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
 
 def test_codec_candidates_round_trip() -> None:
     """Every codec candidate is bit-exact on bf16 data (fast; no engine)."""
-    from hsx.bench.codec import choose_codec, entropy_bound, measure_codecs
+    from hsx_tools.bench.codec import choose_codec, entropy_bound, measure_codecs
 
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(300_000) * 3).astype(np.float32)
@@ -105,7 +105,7 @@ def test_transport_study_runs_each_client(tmp_path: Path) -> None:
     """`hsx bench --transport-only`, tiny: every client reads every byte of identity and
     zstd (chunked) bodies, ratios against httpx's default (no timing assertion)."""
     out = tmp_path / "t.json"
-    proc = subprocess.run([sys.executable, "-m", "hsx.cli", "bench", "--transport-only", "--body-mb", "2",
+    proc = subprocess.run([sys.executable, "-m", "hsx_tools.cli", "bench", "--transport-only", "--body-mb", "2",
                            "--requests", "3", "--concurrency", "2", "--repeat", "1", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -125,7 +125,7 @@ def test_transport_study_runs_each_client(tmp_path: Path) -> None:
 def test_tree_sampler_leaves_out_excluded_subtrees() -> None:
     """The client's memory with --workers: this process and its workers, not the server
     subtree it started (fast; real child processes)."""
-    from hsx.bench.memory import TreeSampler
+    from hsx_tools.bench.memory import TreeSampler
 
     sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
     spawn_grandchild = [sys.executable, "-c",
@@ -154,7 +154,7 @@ def test_tree_sampler_leaves_out_excluded_subtrees() -> None:
 def test_http_profile_line_splits_a_sample_s_life() -> None:
     """The report's HTTP profile: server phases, then the client's life of a sample split
     into its phases, the rest, and the life Little's law implies (old results lack some)."""
-    from hsx.bench.report import _http_profile
+    from hsx_tools.bench.report import _http_profile
 
     one = {"compression": "zstd",
            "server_phases": {"engine": {"mean_s": 0.5}, "compress": {"mean_s": 0.1}, "send": {"mean_s": 0.3}},
@@ -171,7 +171,7 @@ def test_http_profile_line_splits_a_sample_s_life() -> None:
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "bench").glob("*.py")))
 def test_bench_scripts_start(script: str) -> None:
     """Every rerunnable script under bench/ still imports what it uses (shard_merge.py had
-    kept imports from before hsx.bench was split into modules) and prints its usage."""
+    kept imports from before hsx_tools.bench was split into modules) and prints its usage."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)

@@ -760,7 +760,7 @@ def test_no_secret_in_plain_text():
 
 def hsx_argv(args: list[str]) -> list[str]:
     hsx = tool("hsx")
-    return [hsx, *args] if hsx else [sys.executable, "-m", "hsx.cli", *args]
+    return [hsx, *args] if hsx else [sys.executable, "-m", "hsx_tools.cli", *args]
 
 
 needs_vllm = pytest.mark.skipif(

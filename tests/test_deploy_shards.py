@@ -424,8 +424,8 @@ case "$1" in
         while [ $# -gt 0 ]; do
             if [ "$1" = --server ]; then args+=(--server "$REAL_SERVER"); shift 2; else args+=("$1"); shift; fi
         done
-        exec "$HSX_PYTHON" -m hsx.cli extract "${args[@]}" ;;
-    merge) shift; exec "$HSX_PYTHON" -m hsx.cli merge "$@" ;;
+        exec "$HSX_PYTHON" -m hsx_tools.cli extract "${args[@]}" ;;
+    merge) shift; exec "$HSX_PYTHON" -m hsx_tools.cli merge "$@" ;;
 esac
 """
 

@@ -34,11 +34,11 @@ def test_distribution_name_is_free_of_the_unrelated_hsx_and_the_license_is_spdx(
     assert meta["project"]["license"] == "Apache-2.0" and meta["project"]["license-files"] == ["LICENSE"]
     assert "Apache License" in (REPO / "LICENSE").read_text()
     assert any(r.startswith("setuptools>=77") for r in meta["build-system"]["requires"])
-    assert meta["project"]["scripts"] == {"hsx": "hsx.cli:main"}
+    assert meta["project"]["scripts"] == {"hsx": "hsx_tools.cli:main"}
     for extra in ("cpu", "gpu"):
         assert "hsx-hidden-states[serve]" in meta["project"]["optional-dependencies"][extra]
     docs = [REPO / "README.md", REPO / "Dockerfile", *(REPO / "docs").rglob("*.md"), *(REPO / "scripts").glob("*"),
-            *(REPO / "deploy").rglob("*.*"), *(REPO / "hsx").rglob("*.py"), *(REPO / "client").rglob("*.py"),
+            *(REPO / "deploy").rglob("*.*"), *(REPO / "hsx").rglob("*.py"), *(REPO / "tools").rglob("*.py"), *(REPO / "client").rglob("*.py"),
             *(REPO / "service").rglob("*.py")]
     for p in docs:
         text = p.read_text(errors="replace")
@@ -83,7 +83,7 @@ def test_readme_snippet_is_a_script_that_fails_within_seconds_against_a_dead_url
 
 
 def test_demo_hint_names_no_port_of_the_server_it_stopped():
-    src = (REPO / "hsx" / "demo.py").read_text()
+    src = (REPO / "tools" / "demo.py").read_text()
     assert "{server.url}/hidden_states" not in src and "hsx serve {model}" in src
 
 
@@ -237,7 +237,7 @@ def test_mt_bench_questions_alone_say_why_no_row_is_usable(tmp_path):
     from hsx_client import cli
 
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "hsx.cli", "extract", "--server", "http://127.0.0.1:9", "--input",
+    r = subprocess.run([sys.executable, "-m", "hsx_tools.cli", "extract", "--server", "http://127.0.0.1:9", "--input",
                         str(q), "--output", str(out), "--format", "speculators"], capture_output=True, text=True,
                        timeout=120)
     assert cli  # the parser module exists (for the epilog test below)

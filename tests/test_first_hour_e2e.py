@@ -19,7 +19,7 @@ import pytest
 from _e2e_helpers import HSX, cli_env, specforge_batches, speculators_rows
 from _server import CHAT, REPO, STORIES, TEMPLATES, ServerProcess
 from conftest import need_fixtures, need_vllm
-from hsx.server_process import MetricValues
+from hsx_tools.server_process import MetricValues
 
 pytestmark = [pytest.mark.engine, pytest.mark.fixtures, pytest.mark.slow]
 

@@ -27,7 +27,7 @@ LAYERS = list(range(NUM_LAYERS + 1))  # every id; N = the pre-norm last layer
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory):
-    from hsx.tiny_model import make_tiny_model
+    from hsx_tools.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe", "qwen3_moe", num_layers=NUM_LAYERS)
 
@@ -63,7 +63,7 @@ async def test_tiny_moe_every_layer_matches_transformers(moe_server, moe_model):
 
 @pytest.fixture(scope="module")
 def hybrid_model(tmp_path_factory):
-    from hsx.tiny_model import make_tiny_model
+    from hsx_tools.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-next", "qwen3_next", num_layers=NUM_LAYERS)
 
@@ -135,7 +135,7 @@ def _need_cpu_mla() -> None:
 
 @pytest.fixture(scope="module")
 def deepseek_model(tmp_path_factory):
-    from hsx.tiny_model import make_tiny_model
+    from hsx_tools.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-deepseek-v3", "deepseek_v3",
                            num_layers=NUM_LAYERS)
@@ -182,7 +182,7 @@ def test_deepseek_layer_zero_refused(deepseek_model):
 def test_engine_start_failure_quotes_the_engines_exception(tmp_path):
     """vLLM's own exception, printed by its engine process, is hsx's last line (not a
     guess, and not "See root cause above" 130 lines below it)."""
-    from hsx.tiny_model import make_tiny_model
+    from hsx_tools.tiny_model import make_tiny_model
 
     _need_cpu_mla()
     model = make_tiny_model(tmp_path / "head-dim-96", "deepseek_v3", num_layers=1, num_heads=1,

@@ -27,7 +27,7 @@ from hsx_client.verify import verify_corpus
 
 # ------------------------------------------------------------------ one-line refusals (11.6)
 def cli_run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hsx.cli", "extract", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "hsx_tools.cli", "extract", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -2,7 +2,7 @@
 
 - `hsx serve` SIGKILLed (an OOM killer, a supervisor's hard kill): the vLLM engine core and
   its workers, the tokenizer processes and the HTTP workers go with it (hsx/lifeline.py);
-- a tool that runs `hsx serve` itself (hsx bench, hsx demo: hsx/server_process.py) takes
+- a tool that runs `hsx serve` itself (hsx bench, hsx demo: tools/server_process.py) takes
   its server down when it is stopped (SIGTERM forwarded) or killed (the lifeline);
 - SIGTERM with requests in flight: the server is gone within --shutdown-timeout plus
   lifecycle.STOP_MARGIN, even with an engine that no longer answers;
@@ -208,7 +208,7 @@ def test_a_teardown_that_never_ends_is_cut_short_at_the_stop_margin():
 OWNER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from hsx.server_process import ServerProcess
+    from hsx_tools.server_process import ServerProcess
 
     server = ServerProcess(sys.argv[1], log_path=Path(sys.argv[2]))  # as hsx bench and hsx demo start theirs
     print(server.proc.pid, flush=True)
@@ -252,7 +252,7 @@ def test_a_port_in_use_is_refused_in_seconds_before_any_engine(tmp_path):
         busy.listen(1)
         port = busy.getsockname()[1]
         t0 = time.monotonic()
-        r = subprocess.run([sys.executable, "-m", "hsx.cli", "serve", str(tmp_path / "model"),
+        r = subprocess.run([sys.executable, "-m", "hsx_tools.cli", "serve", str(tmp_path / "model"),
                             "--host", "127.0.0.1", "--port", str(port)],
                            capture_output=True, text=True, timeout=120, env=engine_env())
         took = time.monotonic() - t0

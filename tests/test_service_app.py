@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from hsx import wire
-from hsx.server_process import MetricValues
+from hsx_tools.server_process import MetricValues
 from hsx_service.app import ServerState, create_app
 from hsx_service.arena import Allocator, SharedArena
 from hsx_service.engine import ModelFacts

@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from prometheus_client import generate_latest
 
-from hsx.server_process import MetricValues
+from hsx_tools.server_process import MetricValues
 from hsx_service.admission import AdmissionGate
 from hsx_service.connections import PROBE_RESERVE, ConnectionGuard, guarded_protocol
 from hsx_service.guard import GuardMiddleware

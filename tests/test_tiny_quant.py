@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hsx.tiny_quant import ALWAYS_SKIPPED, fp8_block_dequantize, fp8_block_quantize, is_quantized
+from hsx_tools.tiny_quant import ALWAYS_SKIPPED, fp8_block_dequantize, fp8_block_quantize, is_quantized
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 BF16_TOL = 3e-2  # bf16 engine vs fp32 reference, as in test_service_correctness
@@ -67,7 +67,7 @@ def test_fp8_block_names_the_layers_it_leaves_out(tmp_path):
     layer its `ignored_layers` does not name, so those layers must be listed there."""
     from safetensors.torch import save_file
 
-    from hsx.tiny_quant import quantize_checkpoint
+    from hsx_tools.tiny_quant import quantize_checkpoint
 
     src = tmp_path / "src"
     src.mkdir()
@@ -87,8 +87,8 @@ def test_fp8_block_names_the_layers_it_leaves_out(tmp_path):
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     """A tiny Llama and its fp8-block and w4a16 copies, made through the `hsx` command."""
-    from hsx.cli import main
-    from hsx.tiny_quant import make_source
+    from hsx_tools.cli import main
+    from hsx_tools.tiny_quant import make_source
 
     root = tmp_path_factory.mktemp("quant")
     src = make_source(root / "llama")
@@ -175,8 +175,8 @@ def test_deepseek_v3_checkpoints(tmp_path):
     from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
     from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 
-    from hsx.tiny_model import FAMILIES
-    from hsx.tiny_quant import make_source, quantize_checkpoint
+    from hsx_tools.tiny_model import FAMILIES
+    from hsx_tools.tiny_quant import make_source, quantize_checkpoint
 
     if "deepseek_v3" not in FAMILIES:
         pytest.skip("this hsx's make-tiny-model has no deepseek_v3 family")

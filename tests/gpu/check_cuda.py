@@ -209,7 +209,7 @@ def stop(srv: ServerProcess) -> None:
 
 
 def random_model_checks(a, work: Path) -> None:
-    from hsx.tiny_model import make_tiny_llama
+    from hsx_tools.tiny_model import make_tiny_llama
 
     model = make_tiny_llama(work / "rand-llama", num_layers=8, hidden_size=1024, intermediate_size=2816,
                             num_heads=8, num_kv_heads=4, vocab_size=32000, max_position_embeddings=4096,

@@ -143,8 +143,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out")
     a = p.parse_args(argv)
 
-    from hsx.bench.common import child_env, ensure_model, ensure_packages, hardware, log
-    from hsx.server_process import ServerProcess
+    from hsx_tools.bench.common import child_env, ensure_model, ensure_packages, hardware, log
+    from hsx_tools.server_process import ServerProcess
 
     work = Path(a.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -165,7 +165,7 @@ def main(argv: list[str]) -> int:
                  "total_seq_len": a.total_seq_len, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         server.wait_ready(1800)
-        hsx = [sys.executable, "-m", "hsx.cli", "extract", "--server", server.url, "--input", str(rows), "--quiet",
+        hsx = [sys.executable, "-m", "hsx_tools.cli", "extract", "--server", server.url, "--input", str(rows), "--quiet",
                "--format", "speculators", "--draft-vocab-size", str(a.draft_vocab_size)]
         kinds = {"online": (["--states", "none"], ["--hidden-states-backend", "hsx", "--hsx-servers", server.url]),
                  "offline": ([], []), "fp8": (["--dtype", "fp8"], ["--hidden-states-backend", "fp8"])}

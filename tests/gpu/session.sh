@@ -89,7 +89,7 @@ extra)
     . tests/gpu/kit/env.sh
     models=()
     for fam in qwen3_moe qwen3_next; do  # hsx make-tiny-model --family (issue 12, item 4)
-        if python3 -m hsx.cli make-tiny-model "/tmp/tiny-$fam" --family "$fam" --dtype bfloat16 >/dev/null 2>&1; then
+        if python3 -m hsx_tools.cli make-tiny-model "/tmp/tiny-$fam" --family "$fam" --dtype bfloat16 >/dev/null 2>&1; then
             models+=(--extra-model "/tmp/tiny-$fam")
         else
             echo "session: this hsx's make-tiny-model has no --family $fam: skipped"
@@ -111,7 +111,7 @@ mla)
     # layer id 1..N against transformers fp32 (worst errors in the JSON).
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
-    python3 -m hsx.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 --layers 4 --heads 16 \
+    python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 --layers 4 --heads 16 \
         --dtype bfloat16 >/dev/null
     runner=$(expected_runner)
     python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" --extra-model /tmp/tiny-deepseek-v3 \
@@ -131,7 +131,7 @@ bitequal)
     # same flags and prompts: stories260K in fp32, the tiny DeepSeek-V3 (made by the mla step) in bf16.
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
-    [ -d /tmp/tiny-deepseek-v3 ] || python3 -m hsx.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 \
+    [ -d /tmp/tiny-deepseek-v3 ] || python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 \
         --layers 4 --heads 16 --dtype bfloat16 >/dev/null
     python3 tests/gpu/check_bitequal.py --model /tmp/gpufix/stories260K --dtype float32 \
         --json "$out/bitequal-stories-fp32-$ver.json" 2>&1 | tee "$out/bitequal-stories-$ver.log" || true
@@ -143,7 +143,7 @@ bench)
     . tests/gpu/kit/env.sh
     # Issue 12's preset on this release; every (c) coding against one server, the client in its
     # own process tree over TCP (issue 17's remote path, loopback standing in for the network).
-    python3 -m hsx.cli bench --h200 --modes a,c --transfer auto,http:none,http:bf16split,http:zstd "${remote_bench[@]}" \
+    python3 -m hsx_tools.cli bench --h200 --modes a,c --transfer auto,http:none,http:bf16split,http:zstd "${remote_bench[@]}" \
         --out "$out/bench-h200-$ver.json" 2>&1 | tee "$out/bench-h200-$ver.log"
     ;;
 bench17)
@@ -166,7 +166,7 @@ bench17)
         model=(--h200)
     fi
     tag=$shape-w$workers-h$http_workers-$ver
-    python3 -m hsx.cli bench "${model[@]}" --modes "${MODES:-a,c}" --transfer "${TRANSFER:-http:none,http:zstd}" \
+    python3 -m hsx_tools.cli bench "${model[@]}" --modes "${MODES:-a,c}" --transfer "${TRANSFER:-http:none,http:zstd}" \
         "${remote_bench[@]}" "${server[@]}" --workers "$workers" --out "$out/bench17-$tag.json" 2>&1 \
         | tee "$out/bench17-$tag.log"
     ;;

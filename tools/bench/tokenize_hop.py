@@ -1,6 +1,6 @@
 """What the tokenizer processes cost a typical chat: templating + tokenizing + mask in
 the server's process (the old way, on a thread) vs through the pool (tokenize_pool.py),
-same process, same chats. `python -m hsx.bench.tokenize_hop [MODEL TEMPLATE CHATS.jsonl]`
+same process, same chats. `python -m hsx_tools.bench.tokenize_hop [MODEL TEMPLATE CHATS.jsonl]`
 (defaults: the shared stories260K, llama3.jinja, the OASST threads)."""
 
 from __future__ import annotations

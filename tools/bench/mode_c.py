@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsx.bench.common import child_env, fmt_bytes, log, make_prompts
-from hsx.bench.memory import TreeSampler, own_memory, reset_own_hwm
-from hsx.server_process import ServerProcess
+from hsx_tools.bench.common import child_env, fmt_bytes, log, make_prompts
+from hsx_tools.bench.memory import TreeSampler, own_memory, reset_own_hwm
+from hsx_tools.server_process import ServerProcess
 
 
 async def _fire(url: str, prompts: list[list[int]], concurrency: int, compression: str, on_done=None,
@@ -103,7 +103,7 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
             if i > 0 and not args.keep:
                 shutil.rmtree(out, ignore_errors=True)
         if args.codec_sample:
-            from hsx.bench.codec import measure_corpus_codecs
+            from hsx_tools.bench.codec import measure_corpus_codecs
 
             res["codec_on_corpus"] = measure_corpus_codecs(out_dir, args.codec_sample)
         if args.rss_soak:
@@ -128,7 +128,7 @@ def run_mode_c(ctx: dict[str, Any], args: argparse.Namespace, workdir: Path, pro
 def _measure_in_own_process(ctx: dict[str, Any], args: argparse.Namespace, server: ServerProcess, inputs: Path,
                             out_dir: Path, prompts: list[list[int]], transfer: str, timeout: float,
                             workdir: Path) -> dict[str, Any]:
-    """`_measure_extract` in a child of its own session (hsx/bench/client_proc.py)."""
+    """`_measure_extract` in a child of its own session (tools/bench/client_proc.py)."""
     import subprocess
     import sys
 
@@ -140,7 +140,7 @@ def _measure_in_own_process(ctx: dict[str, Any], args: argparse.Namespace, serve
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
     log(f"(c) client in its own process tree (transfer {transfer})")
-    rc = subprocess.run([sys.executable, "-m", "hsx.bench.client_proc", str(spec_path), str(out_path)],
+    rc = subprocess.run([sys.executable, "-m", "hsx_tools.bench.client_proc", str(spec_path), str(out_path)],
                         env=child_env(), start_new_session=True).returncode
     if rc != 0 or not out_path.exists():
         raise RuntimeError(f"(c) the client process ended {rc}\n{server.log_tail()}")

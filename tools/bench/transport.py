@@ -1,4 +1,4 @@
-"""The HTTP client transport study (`hsx bench --transport-only`, `python -m hsx.bench.transport`):
+"""The HTTP client transport study (`hsx bench --transport-only`, `python -m hsx_tools.bench.transport`):
 client CPU seconds per GB received and GB/s, for /hidden_states-sized bodies, of
 
 - `httpx`: httpx's default transport (httpcore + h11), the baseline of every ratio;
@@ -15,7 +15,7 @@ Each (body size, encoding, concurrency) cell runs every client in a process of i
 clients alternate within a cell, `--repeat` times, and the cheapest run of each counts.
 Every client reads the raw body the way HsxClient does: the whole (still compressed)
 body in memory, no decoding (zstd decoding costs the same whatever received the bytes).
-The server is synthetic and fast (hsx/bench/transport_server.py, another process, its
+The server is synthetic and fast (tools/bench/transport_server.py, another process, its
 CPU not counted); `--url` points the clients at a real `hsx serve`'s /hidden_states.
 """
 
@@ -140,11 +140,11 @@ def _child(args: argparse.Namespace) -> int:
 
 
 def _start_server(sizes: list[int], encodings: list[str]):
-    from hsx.bench.common import child_env
-    from hsx.server_process import free_port
+    from hsx_tools.bench.common import child_env
+    from hsx_tools.server_process import free_port
 
     port = free_port()
-    code = ("import json; from hsx import lifeline; lifeline.hold(); from hsx.bench.transport_server import serve; "
+    code = ("import json; from hsx import lifeline; lifeline.hold(); from hsx_tools.bench.transport_server import serve; "
             f"serve({port}, {sizes!r}, {encodings!r}, lambda w: print(json.dumps(w), flush=True))")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=child_env(), text=True)
     assert proc.stdout is not None
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.client:  # re-entry: one client in this process
         return _child(args)
-    from hsx.bench.common import child_env, log
+    from hsx_tools.bench.common import child_env, log
 
     sizes, encodings, concs = _ints(args.body_mb), args.encodings.split(","), _ints(args.concurrency)
     if args.url:  # the server decides the body size
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs = []
                     for _ in range(args.repeat):
                         for kind in clients:
-                            cmd = [sys.executable, "-m", "hsx.bench.transport", "--client", kind, "--url", url,
+                            cmd = [sys.executable, "-m", "hsx_tools.bench.transport", "--client", kind, "--url", url,
                                    "--requests", str(n), "--concurrency", str(conc), "--encoding", enc,
                                    "--prompt-len", str(args.prompt_len)] + (["--fresh-blocks"] if args.fresh_blocks else [])
                             out = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)

@@ -10,12 +10,12 @@ after the other, each with its own engine (start, warm up, measure, shut down):
       /dev/shm when it has room), then every file read back with vLLM's own
       `load_hidden_states` (it waits on the `.lock`) and removed. What users have today.
       On the CPU backend the stock connector cannot run (pinned memory, CUDA streams):
-      `hsx.bench_cpu_connector` is the same connector with a synchronous copy.
+      `hsx_tools.bench_cpu_connector` is the same connector with a synchronous copy.
   (c) hsx end to end: `hsx serve` in a subprocess, the hsx client's real `extract` run
       loop over HTTP (zstd decoding, checks) writing a speculators corpus to disk,
       every sample fsync'ed and recorded; finalize (the datasets table) timed apart.
 
-(a) and (b) run in child processes (`python -m hsx.bench --worker CONFIG`), (c)'s
+(a) and (b) run in child processes (`python -m hsx_tools.bench --worker CONFIG`), (c)'s
 server is a child too, so each mode's engine and accelerator memory are gone before
 the next starts; the client of (c) runs in this process. Prefix caching is off in every
 mode. Only the measured phase is timed, after a warm-up on other prompts of the same
@@ -32,6 +32,6 @@ ratios), memory, common; the codec study (`--codec-only`, `python bench/codec.py
 codec.
 """
 
-from hsx.bench.cli import main
+from hsx_tools.bench.cli import main
 
 __all__ = ["main"]

@@ -1,4 +1,4 @@
-"""(c)'s client in its own process tree: `python -m hsx.bench.client_proc SPEC OUT`.
+"""(c)'s client in its own process tree: `python -m hsx_tools.bench.client_proc SPEC OUT`.
 
 The issue's target measures a client that shares nothing with the server but the TCP
 socket (loopback standing in for the network): no event loop, GIL or allocator of the
@@ -29,7 +29,7 @@ class _Remote:
 
 
 def main(argv: list[str]) -> int:
-    from hsx.bench.mode_c import _measure_extract
+    from hsx_tools.bench.mode_c import _measure_extract
     from hsx_client.allocator import keep_large_blocks
 
     keep_large_blocks()  # as `hsx extract` does: this process stands in for it

@@ -1,5 +1,5 @@
 """Modes (a) plain prefill and (b) vLLM's file connector, each in a child process
-(`python -m hsx.bench --worker CONFIG`) so its engine and accelerator memory are gone
+(`python -m hsx_tools.bench --worker CONFIG`) so its engine and accelerator memory are gone
 before the next mode starts."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsx.bench.common import child_env, fmt_bytes, log, make_prompts, versions
-from hsx.bench.memory import TreeSampler
-from hsx.server_process import own, stop_process_group
+from hsx_tools.bench.common import child_env, fmt_bytes, log, make_prompts, versions
+from hsx_tools.bench.memory import TreeSampler
+from hsx_tools.server_process import own, stop_process_group
 
 
 def engine_kwargs(model: str, flags: list[str]) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def worker_main(config_path: str) -> int:
         }
         if on_cpu:
             kv["kv_connector"] = "CpuHiddenStatesConnector"
-            kv["kv_connector_module_path"] = "hsx.bench_cpu_connector"
+            kv["kv_connector_module_path"] = "hsx_tools.bench_cpu_connector"
         kw["kv_transfer_config"] = kv
     log(f"({mode}) starting vLLM: {json.dumps({k: v for k, v in kw.items()}, default=str)}")
     t = time.monotonic()
@@ -122,7 +122,7 @@ def worker_main(config_path: str) -> int:
         result.update(
             measured_s=t2 - t0, readback_s=t2 - t1, hs_bytes=nbytes, file_bytes=file_bytes,
             engine_tokens_per_s=tokens / (t1 - t0), states_dir=states_dir,
-            connector="hsx.bench_cpu_connector.CpuHiddenStatesConnector (stock + synchronous copy)" if on_cpu
+            connector="hsx_tools.bench_cpu_connector.CpuHiddenStatesConnector (stock + synchronous copy)" if on_cpu
             else "ExampleHiddenStatesConnector",
         )
     else:
@@ -153,7 +153,7 @@ def run_engine_mode(mode: str, ctx: dict[str, Any], workdir: Path, timeout: floa
     cfg_path = workdir / f"worker-{mode}.json"
     cfg_path.write_text(json.dumps(cfg))
     Path(cfg["result"]).unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "hsx.bench", "--worker", str(cfg_path)], env=child_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "hsx_tools.bench", "--worker", str(cfg_path)], env=child_env(),
                             start_new_session=True)
     own(proc)
     sampler = TreeSampler(proc.pid).start()

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the server")
     a = p.parse_args(argv)
 
-    from hsx.tiny_model import make_tiny_llama
+    from hsx_tools.tiny_model import make_tiny_llama
 
     work = Path(a.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         for chat in CHATS:
             f.write(json.dumps({"messages": [{"role": r, "content": c} for r, c in chat]}) + "\n")
 
-    from hsx.server_process import ServerProcess, ServerStartError
+    from hsx_tools.server_process import ServerProcess, ServerStartError
 
     log = work / "server.log"
     env = dict(os.environ)

@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsx.bench.common import (
+from hsx_tools.bench.common import (
     REPO, child_env, ensure_model, ensure_packages, fmt_bytes, hardware, log, model_facts, versions_light,
 )
 from hsx.layers import default_layers
-from hsx.server_process import ServerProcess
+from hsx_tools.server_process import ServerProcess
 
 CODEC_CHUNK = 4 << 20  # bytes per frame, as the service compresses (hsx_service.response.CHUNK)
 
@@ -245,7 +245,7 @@ def _text_prompts(limit: int) -> list[str]:
             if len(out) >= limit:
                 break
     if not out:
-        from hsx.tiny_model import _TEXT
+        from hsx_tools.tiny_model import _TEXT
 
         words = _TEXT.split()
         out = [" ".join(words[i:] + words[:i]) for i in range(0, min(limit, len(words)))]

@@ -51,7 +51,7 @@ def parse_spec(spec: str) -> dict[str, Any]:
 
 
 def ensure_model(spec: str, workdir: Path, prompt_len: int) -> Path:
-    """A random Llama built by hsx.tiny_model in a child process (kept out of this
+    """A random Llama built by hsx_tools.tiny_model in a child process (kept out of this
     process's RSS), reused from `workdir` when an identical one is there."""
     s = parse_spec(spec)
     s.setdefault("max_pos", max(2048, prompt_len + 64))
@@ -68,7 +68,7 @@ def ensure_model(spec: str, workdir: Path, prompt_len: int) -> Path:
         "max_position_embeddings": s["max_pos"], "dtype": s.get("dtype", "bfloat16"), "seed": s.get("seed", 0),
     }
     log(f"model: writing a random Llama {kwargs} to {path}")
-    code = f"from hsx.tiny_model import make_tiny_llama; make_tiny_llama({str(path)!r}, **{kwargs!r})"
+    code = f"from hsx_tools.tiny_model import make_tiny_llama; make_tiny_llama({str(path)!r}, **{kwargs!r})"
     subprocess.run([sys.executable, "-c", code], check=True)
     (path / ".hsx-bench-complete").write_text(spec)
     return path
@@ -112,22 +112,23 @@ def child_env() -> dict[str, str]:
 
 def ensure_packages(workdir: Path) -> None:
     """Run from a source checkout that is not pip-installed (e.g. the GPU machine with
-    PYTHONPATH=repo): hsx_client / hsx_service are client/ and service/ under other
-    names, so link them under those names for this process and every child."""
+    PYTHONPATH=repo): hsx_client / hsx_service / hsx_tools are client/, service/ and tools/
+    under other names, so link them under those names for this process and every child."""
     import importlib.util
 
-    if importlib.util.find_spec("hsx_client") and importlib.util.find_spec("hsx_service"):
+    names = (("hsx_client", "client"), ("hsx_service", "service"), ("hsx_tools", "tools"))
+    if all(importlib.util.find_spec(name) for name, _ in names):
         return
     root = REPO
     shim = workdir / "pkgs"
     shim.mkdir(parents=True, exist_ok=True)
-    for name, src in (("hsx_client", "client"), ("hsx_service", "service")):
+    for name, src in names:
         link = shim / name
         if not link.exists():
             link.symlink_to(root / src, target_is_directory=True)
     sys.path.insert(0, str(shim))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), os.environ.get("PYTHONPATH")) if p)
-    log(f"hsx_client / hsx_service not installed: using {root}/client and service through {shim}")
+    log(f"hsx_client / hsx_service / hsx_tools not installed: using {root}/client, service and tools through {shim}")
 
 
 # ------------------------------------------------------------------ versions and hardware

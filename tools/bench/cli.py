@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsx.bench.common import ensure_model, ensure_packages, fmt_bytes, hardware, log, make_prompts, model_facts, versions_light
-from hsx.bench.report import MODE_NAMES, format_table, ratios
+from hsx_tools.bench.common import ensure_model, ensure_packages, fmt_bytes, hardware, log, make_prompts, model_facts, versions_light
+from hsx_tools.bench.report import MODE_NAMES, format_table, ratios
 from hsx.dtypes import by_name as dtype_by_name
 from hsx.layers import default_layers
 
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds an engine may take to start [900]")
     p.add_argument("--codec-only", action="store_true", help="run the codec measurement only (bench/codec.py)")
     p.add_argument("--transport-only", action="store_true",
-                   help="run the HTTP client transport study only (hsx/bench/transport.py; its own flags follow)")
+                   help="run the HTTP client transport study only (tools/bench/transport.py; its own flags follow)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
@@ -122,17 +122,17 @@ def main(argv: list[str]) -> int:
     argv = list(argv)
     if "--codec-only" in argv:
         argv.remove("--codec-only")
-        from hsx.bench.codec import main as codec_main
+        from hsx_tools.bench.codec import main as codec_main
 
         return codec_main(argv)
     if "--transport-only" in argv:
         argv.remove("--transport-only")
-        from hsx.bench.transport import main as transport_main
+        from hsx_tools.bench.transport import main as transport_main
 
         return transport_main(argv)
     args = build_parser().parse_args(argv)
     if args.worker:
-        from hsx.bench.engines import worker_main
+        from hsx_tools.bench.engines import worker_main
 
         return worker_main(args.worker)
     preset = PRESETS.get(args.preset or "", {})
@@ -236,13 +236,13 @@ def _run(args: argparse.Namespace, modes: list[str], workdir: Path) -> int:
         log(f"===== mode ({m}) {MODE_NAMES[m]} =====")
         try:
             if m in ("a", "b"):
-                from hsx.bench.engines import run_engine_mode
+                from hsx_tools.bench.engines import run_engine_mode
 
                 res = run_engine_mode(m, ctx, workdir, args.start_timeout + 1200)
             else:
                 prompts = make_prompts(args.prompts, args.prompt_len, facts["vocab_size"], args.seed)
                 warm = make_prompts(args.warmup, args.prompt_len, facts["vocab_size"], args.seed + 1)
-                from hsx.bench.mode_c import run_mode_c
+                from hsx_tools.bench.mode_c import run_mode_c
 
                 res = run_mode_c(ctx, args, workdir, prompts, warm, args.start_timeout)
                 del prompts, warm

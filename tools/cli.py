@@ -46,13 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "merge":
         from hsx_client.merge import main as run
     elif command == "demo":
-        from hsx.demo import main as run
+        from hsx_tools.demo import main as run
     elif command == "bench":
-        from hsx.bench import main as run
+        from hsx_tools.bench import main as run
     elif command == "make-tiny-model":
-        from hsx.tiny_model import main as run
+        from hsx_tools.tiny_model import main as run
     elif command == "quantize-tiny-model":
-        from hsx.tiny_quant import main as run
+        from hsx_tools.tiny_quant import main as run
     elif command in ("-V", "--version"):
         from hsx import __version__
 

@@ -1,4 +1,4 @@
-"""The synthetic server of the transport study (hsx/bench/transport.py): prebuilt
+"""The synthetic server of the transport study (tools/bench/transport.py): prebuilt
 /hidden_states-sized bodies over loopback TCP, so that the client is what is measured.
 
 Blocking sockets, one thread per connection, `sendall` of a prebuilt buffer (the GIL is

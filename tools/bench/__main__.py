@@ -1,9 +1,9 @@
-"""`python -m hsx.bench` (the children of modes (a) and (b) run `--worker CONFIG`)."""
+"""`python -m hsx_tools.bench` (the children of modes (a) and (b) run `--worker CONFIG`)."""
 
 import sys
 
 from hsx import lifeline
-from hsx.bench.cli import main
+from hsx_tools.bench.cli import main
 
 lifeline.hold()  # a worker dies with the hsx bench that started it (hsx/lifeline.py)
 

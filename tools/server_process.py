@@ -130,7 +130,7 @@ class ServerProcess:
                  host: str = "127.0.0.1", port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
-        self.cmd = [sys.executable, "-m", "hsx.cli", "serve", model, "--host", host, "--port", str(self.port), *args]
+        self.cmd = [sys.executable, "-m", "hsx_tools.cli", "serve", model, "--host", host, "--port", str(self.port), *args]
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,

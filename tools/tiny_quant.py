@@ -50,9 +50,9 @@ _LAYER = re.compile(r"(.*\.)?layers\.\d+\.")
 
 
 def make_source(out, family: str = "llama", *, num_layers: int = 4, **kwargs) -> Path:
-    """A random model from hsx.tiny_model with QUANT_DIMS (kwargs override them, and
+    """A random model from hsx_tools.tiny_model with QUANT_DIMS (kwargs override them, and
     make_tiny_model's other arguments, e.g. dtype, pass through)."""
-    from hsx.tiny_model import make_tiny_model
+    from hsx_tools.tiny_model import make_tiny_model
 
     dims = {**QUANT_DIMS, **kwargs}
     if family == "deepseek_v3":
