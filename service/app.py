@@ -18,14 +18,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from hsx import __version__ as hsx_version
-from hsx.wire import LEASE_MEDIA_TYPE, MEDIA_TYPE, TensorSpec, encode_header
+from hsx.protocol import final_norm as final_norm_body
+from hsx.protocol.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, SendReport
+from hsx.wire import LEASE_MEDIA_TYPE, MEDIA_TYPE
 from hsx_service.admission import DRAIN_RETRY_AFTER, AdmissionGate
 from hsx_service.docs import attach_offline_docs, offline_docs_app_kwargs
 from hsx_service.engine import Extractor
 from hsx_service.errors import Draining, LeaseGone, NotAvailable, NotReady, install_error_handlers
 from hsx_service.guard import GuardMiddleware
 from hsx_service.auth import key_matches
-from hsx_service.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, ArenaSocket, SendReport, key_may_lease
+from hsx_service.lease import ArenaSocket, key_may_lease
 from hsx_service.metrics import Metrics
 from hsx_service.norm import FinalNorm
 from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
@@ -161,12 +163,8 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         norm = s.final_norm
         if norm is None:
             raise NotAvailable(f"the final norm could not be read from the checkpoint: {s.final_norm_error}")
-        data = norm.weight.astype("float32").tobytes()
-        header = encode_header(
-            [TensorSpec("weight", "F32", (len(norm.weight),))],
-            {"eps": repr(norm.eps), "style": norm.style, "tensor": norm.tensor_name},
-        )
-        return Response(header + data, media_type=MEDIA_TYPE)
+        return Response(final_norm_body.encode(norm.weight, norm.eps, norm.style, norm.tensor_name),
+                        media_type=MEDIA_TYPE)
 
     @app.post(
         "/hidden_states",

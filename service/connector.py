@@ -66,6 +66,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.logger import init_logger
 
 from hsx import lifeline
+from hsx.protocol import KV_PARAMS_KEY
 from hsx_service import hidden_cache, vllm_compat
 from hsx_service.arena import SharedArena
 
@@ -79,7 +80,6 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 lifeline.hold()  # this engine process dies with hsx serve (also vLLM's general plugin; here should VLLM_PLUGINS omit it)
 
-PARAMS_KEY = "hsx"  # kv_transfer_params[PARAMS_KEY] = {"key", "offset", "nbytes", "layers"}
 LOG_EVERY = 256
 
 
@@ -215,7 +215,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.v1.request import RequestStatus
 
         last_step = self._last_step.pop(request.request_id, -1)
-        params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+        params = (request.kv_transfer_params or {}).get(KV_PARAMS_KEY)
         if not params:
             return False, None
         key = params["key"]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from hsx.dtypes import by_name as dtype_by_name
 from hsx.layers import default_layers
+from hsx.protocol import KV_PARAMS_KEY
 from hsx_service import vllm_compat
 from hsx_service.arena import Allocator, ArenaFull, ArenaTooSmall, Reservation, SharedArena
 from hsx_service.cpu_threads import bind_cpu_workers
@@ -444,7 +445,7 @@ class Extractor:
             detokenize=False,
             extra_args={
                 "kv_transfer_params": {
-                    "hsx": {"key": key, "offset": reservation.extent.offset, "nbytes": reservation.extent.nbytes,
+                    KV_PARAMS_KEY: {"key": key, "offset": reservation.extent.offset, "nbytes": reservation.extent.nbytes,
                             "layers": layer_index}
                 }
             },

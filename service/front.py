@@ -45,6 +45,7 @@ import uvicorn
 
 from hsx import lifeline
 from hsx.dtypes import BY_ST
+from hsx.protocol.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, ArenaMap, SendReport, ShmUnavailable, attach
 from hsx.wire import LEASE_MEDIA_TYPE, TensorSpec, WireFormatError, check_body, lease_of
 from hsx_service.admission import AdmissionGate
 from hsx_service.body import encode_body
@@ -52,7 +53,6 @@ from hsx_service.compress import CompressPool
 from hsx_service.connections import protocol_for
 from hsx_service.errors import EngineFailure, NotReady, ServiceError, render
 from hsx_service.guard import GuardMiddleware
-from hsx_service.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, SendReport
 from hsx_service.metrics import Metrics
 from hsx_service.response import Stats, choose_coding
 from hsx_service.settings import ServiceSettings
@@ -105,7 +105,7 @@ class FrontApp:
         self.threads = threads
         self.client: httpx.AsyncClient | None = None
         self.pool: CompressPool | None = None
-        self.arena = None  # hsx_client.shm.ArenaMap once mapped
+        self.arena: ArenaMap | None = None  # once mapped
         self._arena_lock = asyncio.Lock()
         self._arena_retry_at = 0.0
 
@@ -308,7 +308,6 @@ class FrontApp:
         async with self._arena_lock:
             if self.arena is not None:
                 return self.arena
-            from hsx_client.shm import ShmUnavailable, attach  # the client side of the same protocol
 
             try:
                 r = await self.client.get("/info", headers={"authorization": f"Bearer {self.token}"})

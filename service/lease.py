@@ -53,6 +53,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hsx.protocol.lease import SendReport
 from hsx.wire import boot_id
 from hsx_service.arena import Reservation
 from hsx_service.auth import key_matches
@@ -60,7 +61,6 @@ from hsx_service.auth import key_matches
 log = logging.getLogger("hsx.lease")
 
 _HANDSHAKE_TIMEOUT = 5.0
-SESSION_HEADER = "X-Hsx-Lease-Session"  # the client's copy: hsx_client.shm
 _MAX_LINE = 4096
 
 
@@ -70,37 +70,6 @@ class _Lease:
     timer: asyncio.TimerHandle | None  # its expiry; none for an HTTP worker's lease
     session: str | None  # the client's arena-socket connection, if it sent one
     on_end: Callable[[str, "SendReport | None"], None] | None = None
-
-
-SENT_HEADER = "X-Hsx-Sent"  # an HTTP worker's report on its lease release (SendReport)
-EXCHANGE_HEADER = "X-Hsx-Exchange"  # an HTTP worker's id for one forwarded request (DELETE /exchanges/{id} aborts it)
-
-
-@dataclass
-class SendReport:
-    """What an HTTP worker (front.py) sent under a lease, reported when it releases it, so
-    that the engine process, the one owner of the metrics, records the response."""
-
-    raw: int
-    wire: int
-    complete: bool
-    send_s: float
-    work_s: float
-    coding: str
-
-    def header(self) -> str:
-        return json.dumps(self.__dict__, separators=(",", ":"))
-
-    @classmethod
-    def parse(cls, value: str | None) -> "SendReport | None":
-        if not value:
-            return None
-        try:
-            d = json.loads(value)
-            return cls(int(d["raw"]), int(d["wire"]), bool(d["complete"]), float(d["send_s"]), float(d["work_s"]),
-                       str(d["coding"]))
-        except (ValueError, KeyError, TypeError):
-            return None
 
 
 # Client leases altogether hold at most this share of the arena; beyond it, HTTP bodies.

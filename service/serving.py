@@ -20,13 +20,14 @@ import numpy as np
 
 from hsx import __version__ as hsx_version
 from hsx.dtypes import st_code
+from hsx.protocol.lease import SendReport
 from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, TensorSpec, encode_header
 from hsx_service.admission import AdmissionGate, Ticket
 from hsx_service.arena import Reservation
 from hsx_service.engine import Extractor
 from hsx_service.errors import BadInput, NoSupervisedTokens, TooLarge
 from hsx_service.body import encode_body
-from hsx_service.lease import Leases, SendReport
+from hsx_service.lease import Leases
 from hsx_service.metrics import Metrics
 from hsx_service.protocol import HiddenStatesRequest
 from hsx_service.compress import CompressPool, default_threads

@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from hsx.protocol import KV_PARAMS_KEY  # noqa: E402
 from hsx_service import connector as conn  # noqa: E402
 
 
@@ -34,7 +35,7 @@ def step(c: conn.HsxConnector, *req_ids: str) -> conn.HsxConnectorMetadata:
 def finished(c: conn.HsxConnector, req_id: str, hsx: bool = True, tokens: int = 4):
     req = SimpleNamespace(request_id=req_id, status=RequestStatus.FINISHED_LENGTH_CAPPED,
                           prompt_token_ids=list(range(tokens)), num_computed_tokens=tokens,
-                          kv_transfer_params={conn.PARAMS_KEY: {"key": req_id, "offset": 0, "nbytes": 8,
+                          kv_transfer_params={KV_PARAMS_KEY: {"key": req_id, "offset": 0, "nbytes": 8,
                                                                 "layers": [0]}} if hsx else None)
     return c.request_finished(req, [1])
 
@@ -74,6 +75,6 @@ def test_aborted_request_is_released_not_saved():
     c = scheduler_side()
     step(c, "a")
     req = SimpleNamespace(request_id="a", status=RequestStatus.FINISHED_ABORTED, prompt_token_ids=[1, 2],
-                          num_computed_tokens=2, kv_transfer_params={conn.PARAMS_KEY: {"key": "a"}})
+                          num_computed_tokens=2, kv_transfer_params={KV_PARAMS_KEY: {"key": "a"}})
     assert c.request_finished(req, [1]) == (False, None)
     assert c._notifier.sent == ("a", False, "aborted") and not c._last_step and not step(c).saves

@@ -36,7 +36,7 @@ from hsx.wire import TensorSpec, encode_header
 from hsx_service import fronts
 from hsx_service.errors import StartupError
 from hsx_service.front import FrontApp, _rebuild
-from hsx_service.lease import SendReport
+from hsx.protocol.lease import SendReport
 from hsx_service.settings import ServiceSettings
 
 WORKERS = 2
