@@ -43,15 +43,15 @@ import uvicorn
 from fastapi import FastAPI
 
 from hsx import lifeline
-from hsx_service.app import ServerState, create_app
-from hsx_service.connections import protocol_for
-from hsx_service.engine import Extractor
-from hsx_service import vllm_compat
-from hsx_service.errors import StartupError
-from hsx_service.fronts import HttpWorkers, Listener, resolve_count
-from hsx_service.lease import ArenaSocket
-from hsx_service.metrics import sample_loop_lag
-from hsx_service.norm import load_final_norm
+from hsx_service.http.app import ServerState, create_app
+from hsx_service.http.connections import protocol_for
+from hsx_service.engine.prefill import Extractor
+from hsx_service.engine import vllm_compat
+from hsx_service.http.errors import StartupError
+from hsx_service.http.http_workers import HttpWorkers, Listener, resolve_count
+from hsx_service.engine.lease import ArenaSocket
+from hsx_service.http.metrics import sample_loop_lag
+from hsx_service.engine.norm import load_final_norm
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 from hsx_service.tokenize_pool import TokenizerPool

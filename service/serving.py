@@ -22,16 +22,16 @@ from hsx import __version__ as hsx_version
 from hsx.dtypes import st_code
 from hsx.protocol.lease import SendReport
 from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, TensorSpec, encode_header
-from hsx_service.admission import AdmissionGate, Ticket
-from hsx_service.arena import Reservation
-from hsx_service.engine import Extractor
-from hsx_service.errors import BadInput, NoSupervisedTokens, TooLarge
-from hsx_service.body import encode_body
-from hsx_service.lease import Leases
-from hsx_service.metrics import Metrics
-from hsx_service.protocol import HiddenStatesRequest
-from hsx_service.compress import CompressPool, default_threads
-from hsx_service.response import Body, Stats, stream_identity
+from hsx_service.http.admission import AdmissionGate, Ticket
+from hsx_service.engine.arena import Reservation
+from hsx_service.engine.prefill import Extractor
+from hsx_service.http.errors import BadInput, NoSupervisedTokens, TooLarge
+from hsx_service.body.encode import encode_body
+from hsx_service.engine.lease import Leases
+from hsx_service.http.metrics import Metrics
+from hsx_service.http.schema import HiddenStatesRequest
+from hsx_service.body.compress import CompressPool, default_threads
+from hsx_service.body.response import Body, Stats, stream_identity
 from hsx_service.settings import ServiceSettings
 from hsx_service.tokenize import Encoded
 from hsx_service.tokenize_pool import TokenizerPool
@@ -79,7 +79,7 @@ class HiddenStatesService:
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
                                      settings.zstd_level, frame_threads=settings.zstd_frame_threads)
         self.leases: Leases | None = None
-        # HTTP workers (front.py) take their states under leases of their own, so the
+        # HTTP workers (http_worker.py) take their states under leases of their own, so the
         # lease table exists with them even where clients get none (--shm-lease false).
         if settings.shm_lease or http_workers:
             self.leases = Leases(settings.lease_timeout, on_end=lambda outcome: metrics.leases.labels(outcome).inc(),
@@ -194,11 +194,11 @@ class HiddenStatesService:
 
     # ------------------------------------------------------------------- the request
     async def run(self, req: HiddenStatesRequest, request_id: str, ticket: Ticket, coding: str,
-                  lease: bool = False, session: str | None = None, front: bool = False) -> Reply:
+                  lease: bool = False, session: str | None = None, http_worker: bool = False) -> Reply:
         """Prepare, admit (`ticket`), prefill; raises ServiceError on refusal. `lease`:
         answer with a lease on the arena range instead of the states' bytes (lease.py);
-        the range then lives until the lease is released or expires. `front`: the lease is
-        an HTTP worker's (front.py), which sends the body itself. `coding`: identity,
+        the range then lives until the lease is released or expires. `http_worker`: the lease is
+        an HTTP worker's (http_worker.py), which sends the body itself. `coding`: identity,
         zstd or bf16split (response.choose_coding)."""
         t_start = time.perf_counter()
         prep = await self.prepare(req)
@@ -221,16 +221,16 @@ class HiddenStatesService:
             raise
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
-        if lease and not front and self.leases is not None:
+        if lease and not http_worker and self.leases is not None:
             capped = self.leases.may_lease(session, reservation.extent.reserved)
             if capped is not None:  # this one comes as an HTTP body: nothing waits, nothing is pinned
                 self.metrics.leases.labels(f"refused_{capped}").inc()
                 lease = False
         return self._reply(req, prep, reservation, request_id, coding, lease and self.leases is not None, started,
-                           session, front)
+                           session, http_worker)
 
     def _reply(self, req: HiddenStatesRequest, prep: Prepared, reservation: Reservation, request_id: str,
-               coding: str, lease: bool, started: float, session: str | None = None, front: bool = False) -> Reply:
+               coding: str, lease: bool, started: float, session: str | None = None, http_worker: bool = False) -> Reply:
         t_send = time.perf_counter()
         f = self.facts
         ids = prep.encoded.token_ids
@@ -258,16 +258,16 @@ class HiddenStatesService:
         specs.pop(0)
         parts.pop(0)
         extent = reservation.extent
-        # An HTTP worker's lease (front.py) lasts until it has sent the body, however slow
+        # An HTTP worker's lease (http_worker.py) lasts until it has sent the body, however slow
         # its client; it reports what it sent when it releases the lease (its metrics are
         # recorded then). A same-host client's lease expires after --lease-timeout.
-        on_end = functools.partial(self._front_lease_ended, n, started) if front else None
-        lease_id = self.leases.grant(reservation.hand_over(), session, expires=not front, on_end=on_end)
+        on_end = functools.partial(self._http_worker_lease_ended, n, started) if http_worker else None
+        lease_id = self.leases.grant(reservation.hand_over(), session, expires=not http_worker, on_end=on_end)
         self.metrics.leases.labels("granted").inc()
         metadata["lease"] = json.dumps({
             "id": lease_id, "arena_id": self.extractor.arena.arena_id, "offset": extent.offset,
             "nbytes": extent.nbytes, "dtype": states.dtype, "shape": list(states.shape),
-            "expires_in": None if front else self.settings.lease_timeout,
+            "expires_in": None if http_worker else self.settings.lease_timeout,
         })
         body = Body([encode_header(specs, metadata), *parts])
         headers["Content-Type"] = LEASE_MEDIA_TYPE  # a few KB: never worth compressing
@@ -276,7 +276,7 @@ class HiddenStatesService:
         def close_lease() -> None:
             if not stats.complete:  # the client never got the lease: take the range back
                 self.leases.release(lease_id, "unsent")
-            if not front:
+            if not http_worker:
                 self._record(n, extent.nbytes, stats.wire, stats.complete, started, time.perf_counter() - t_send)
 
         return Reply(headers, stream_identity(body, stats), _once(close_lease))
@@ -293,7 +293,7 @@ class HiddenStatesService:
         if work_s is not None:
             self.metrics.phase.labels("encode_identity" if coding == "identity" else "compress").observe(work_s)
 
-    def _front_lease_ended(self, n: int, started: float, outcome: str, report: SendReport | None) -> None:
+    def _http_worker_lease_ended(self, n: int, started: float, outcome: str, report: SendReport | None) -> None:
         """An HTTP worker's lease ended: released with its report of the body it sent, or
         ended unsent / with the worker (`client_gone`): an aborted request."""
         if report is None:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hsx_service.arena import ALIGN, Allocator, ArenaFull, ArenaTooSmall, Extent, FreeError
+from hsx_service.engine.arena import ALIGN, Allocator, ArenaFull, ArenaTooSmall, Extent, FreeError
 
 
 def test_first_fit_coalesces_back_to_one_free_range():

@@ -1,5 +1,5 @@
 """The bf16split media type: the codec (hsx/bf16split.py), the server's parallel stream
-(service/compress.py) and the client's decode (client/api.py), bit-exact, on real
+(service/body/compress.py) and the client's decode (client/api.py), bit-exact, on real
 activations (stories260K through transformers), random bf16 and edge values; plus the
 negotiation and the pool's bounds. No engine: these run in the fast tier."""
 
@@ -21,8 +21,8 @@ from _server import STORIES
 from hsx import bf16split
 from hsx.wire import TensorSpec, decode, encode_header
 from hsx_client.api import _finish_body
-from hsx_service.compress import CompressPool, _in_order, stream_bf16split
-from hsx_service.response import Body, Stats, choose_coding, stream_zstd
+from hsx_service.body.compress import CompressPool, _in_order, stream_bf16split
+from hsx_service.body.response import Body, Stats, choose_coding, stream_zstd
 
 
 def _u16(t: torch.Tensor) -> bytes:

@@ -1,4 +1,4 @@
-"""Which step a finished request's copy waits for (service/connector.py): the scheduler
+"""Which step a finished request's copy waits for (service/engine/connector.py): the scheduler
 side notes the last step each request was scheduled in, a save carries it, and the
 worker picks the event recorded at the next step's bind. Fast tier: the connector's
 scheduler-side methods on fake scheduler outputs and requests, no engine."""
@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from hsx.protocol import KV_PARAMS_KEY  # noqa: E402
-from hsx_service import connector as conn  # noqa: E402
+from hsx_service.engine import connector as conn  # noqa: E402
 
 
 class _Quiet:

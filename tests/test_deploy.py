@@ -65,7 +65,7 @@ def env_names(settings_cls):
 
 @pytest.fixture(scope="module")
 def public_paths():
-    from hsx_service.guard import PUBLIC_PATHS
+    from hsx_service.http.guard import PUBLIC_PATHS
 
     assert {"/health", "/ready", "/metrics"} <= set(PUBLIC_PATHS)
     return set(PUBLIC_PATHS)

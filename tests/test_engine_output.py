@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hsx_service.engine_output import ChildOutput, exception_lines, root_cause
+from hsx_service.engine.engine_output import ChildOutput, exception_lines, root_cause
 
 # As vLLM 0.32's engine core prints a failed start: its own lines prefixed, a chained
 # traceback (root cause first), and the front end's line that points back at it.

@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from hsx_service import hidden_cache, vllm_compat
+from hsx_service.engine import hidden_cache, vllm_compat
 
 NUM_BLOCKS, BLOCK, LAYERS, HIDDEN = 12, 16, 4, 8
 

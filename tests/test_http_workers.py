@@ -1,4 +1,4 @@
-"""HTTP workers (`hsx serve --http-workers N`: service/fronts.py starts them, service/front.py
+"""HTTP workers (`hsx serve --http-workers N`: service/http/http_workers.py starts them, service/http/http_worker.py
 is one): processes that serve the public port, take the states of a POST /hidden_states
 under a worker lease from the engine process (which listens on a private Unix socket),
 send the body from their own read-only mapping of the arena and release the lease with
@@ -33,9 +33,9 @@ from _server import ServerProcess, engine_core, eventually, frozen, metrics_asyn
 from conftest import need_vllm
 from hsx import bf16split, wire
 from hsx.wire import TensorSpec, encode_header
-from hsx_service import fronts
-from hsx_service.errors import StartupError
-from hsx_service.front import FrontApp, _rebuild
+from hsx_service.http import http_workers
+from hsx_service.http.errors import StartupError
+from hsx_service.http.http_worker import FrontApp, _rebuild
 from hsx.protocol.lease import SendReport
 from hsx_service.settings import ServiceSettings
 
@@ -51,22 +51,22 @@ CODINGS = {"identity": IDENTITY, "zstd": ZSTD, "bf16split": BF16SPLIT}
 
 @pytest.mark.parametrize("setting, cpu, cores", [(3, True, None), (0, False, 64), (5, False, 4), (1, False, 1)])
 def test_an_explicit_worker_count_wins(setting, cpu, cores):
-    assert fronts.resolve_count(setting, cpu, cores) == setting
+    assert http_workers.resolve_count(setting, cpu, cores) == setting
 
 
 @pytest.mark.parametrize("cores", [1, 2, 16, 64, None])
 def test_no_workers_by_default_on_the_cpu_backend(cores):
-    assert fronts.resolve_count(None, True, cores) == 0  # the engine computes on the same cores
+    assert http_workers.resolve_count(None, True, cores) == 0  # the engine computes on the same cores
 
 
 @pytest.mark.parametrize("cores, count", [(1, 2), (4, 2), (8, 2), (12, 3), (16, 4), (20, 5), (32, 8), (64, 8),
                                           (256, 8)])
 def test_gpu_default_is_a_quarter_of_the_cores_two_to_eight(cores, count):
-    assert fronts.resolve_count(None, False, cores) == count
+    assert http_workers.resolve_count(None, False, cores) == count
 
 
 def test_gpu_default_counts_this_process_s_cores():
-    assert 2 <= fronts.resolve_count(None, False) <= fronts.MAX_AUTO
+    assert 2 <= http_workers.resolve_count(None, False) <= http_workers.MAX_AUTO
 
 
 def test_send_report_header_round_trip():
@@ -95,11 +95,11 @@ def test_bind_public_refuses_a_port_in_use_naming_it():
         taken.listen(1)
         port = taken.getsockname()[1]
         with pytest.raises(StartupError, match=rf"127\.0\.0\.1:{port}\b"):
-            fronts.bind_public("127.0.0.1", port)
+            http_workers.bind_public("127.0.0.1", port)
 
 
 def test_bind_public_listens_and_is_inheritable():
-    sock = fronts.bind_public("127.0.0.1", 0)
+    sock = http_workers.bind_public("127.0.0.1", 0)
     try:
         assert sock.get_inheritable() and sock.getsockname()[1] > 0
         with socket.create_connection(sock.getsockname()[:2], timeout=5):
@@ -227,7 +227,7 @@ class MappedArena(FakeArena):
 async def _worker(answer: bytes, arena: FakeArena):
     """A FakeEngine answering `answer` and a FrontApp (front.py) in front of it, through
     its lifespan, its arena already mapped: (engine, app)."""
-    with tempfile.TemporaryDirectory(prefix="hsx-front-") as tmp:  # short: a Unix socket path
+    with tempfile.TemporaryDirectory(prefix="hsx-http-worker-") as tmp:  # short: a Unix socket path
         async with FakeEngine(os.path.join(tmp, "engine.sock"), answer) as engine:
             app = FrontApp(ServiceSettings(), engine.path, "worker-token", threads=1)
             inbox: asyncio.Queue = asyncio.Queue()
@@ -355,7 +355,7 @@ def _workers(server: ServerProcess) -> list[psutil.Process]:
     out = []
     for child in psutil.Process(server.proc.pid).children():
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and "hsx_service.front" in " ".join(child.cmdline()):
+            if child.status() != psutil.STATUS_ZOMBIE and "hsx_service.http.http_worker" in " ".join(child.cmdline()):
                 out.append(child)
         except psutil.Error:
             pass

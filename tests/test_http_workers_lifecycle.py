@@ -1,4 +1,4 @@
-"""`--http-workers`: the engine process's side of its workers (service/fronts.py) and the
+"""`--http-workers`: the engine process's side of its workers (service/http/http_workers.py) and the
 server's life with them: drain on SIGTERM, workers that keep dying, `--shm-lease false`.
 
 What a worker serves (bodies, relayed errors, hang-ups, a killed worker) is in
@@ -17,7 +17,7 @@ import pytest
 from _server import ServerProcess, metrics_async, sigterm_once_all_admitted
 from conftest import need_vllm
 from hsx.wire import LEASE_MEDIA_TYPE, decode
-from hsx_service import fronts
+from hsx_service.http import http_workers
 from hsx_service.settings import ServiceSettings
 
 
@@ -35,14 +35,14 @@ class _Exited:
         return self.returncode
 
 
-def _pool(monkeypatch, count: int = 2) -> tuple[fronts.HttpWorkers, list[int]]:
+def _pool(monkeypatch, count: int = 2) -> tuple[http_workers.HttpWorkers, list[int]]:
     spawned: list[int] = []
-    pool = fronts.HttpWorkers(count, ServiceSettings(host="127.0.0.1", port=0))
+    pool = http_workers.HttpWorkers(count, ServiceSettings(host="127.0.0.1", port=0))
 
     def spawn(index: int) -> None:
         spawned.append(index)
         pool.procs[index] = _Exited()
-        pool.started_at[index] = fronts.time.monotonic()
+        pool.started_at[index] = http_workers.time.monotonic()
 
     monkeypatch.setattr(pool, "_spawn", spawn)
     return pool, spawned
@@ -68,7 +68,7 @@ def test_a_worker_dying_long_after_its_start_is_only_replaced(monkeypatch):
     try:
         pool.start()
         for _ in range(5):  # each one lived past QUICK_DEATH_S: never a reason to stop
-            pool.started_at[0] -= fronts.QUICK_DEATH_S + 1
+            pool.started_at[0] -= http_workers.QUICK_DEATH_S + 1
             assert pool.check() is None
         assert pool.restarts == 5 and pool.quick_deaths == 0
     finally:
@@ -80,13 +80,13 @@ def test_the_port_is_bound_by_the_engine_process_and_a_busy_port_is_refused():
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        with pytest.raises(fronts.StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
-            fronts.HttpWorkers(2, ServiceSettings(host="127.0.0.1", port=port))
+        with pytest.raises(http_workers.StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
+            http_workers.HttpWorkers(2, ServiceSettings(host="127.0.0.1", port=port))
 
 
 def _workers_of(server: ServerProcess) -> list[psutil.Process]:
     return [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-            if "hsx_service.front" in " ".join(p.cmdline())]
+            if "hsx_service.http.http_worker" in " ".join(p.cmdline())]
 
 
 @pytest.mark.engine

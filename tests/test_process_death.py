@@ -114,7 +114,7 @@ async def test_sigkill_of_serve_takes_every_descendant(tiny_model, log_dir):
             assert r.status_code == 200, r.text
         descendants = psutil.Process(server.proc.pid).children(recursive=True)
         names = " ".join(" ".join(p.cmdline()) + " " + p.name() for p in descendants)
-        assert "EngineCore" in names and names.count("hsx_service.front") == 2, _describe(descendants)
+        assert "EngineCore" in names and names.count("hsx_service.http.http_worker") == 2, _describe(descendants)
         assert len(descendants) >= 5, _describe(descendants)  # engine core, 2 workers, tokenizer pool
         server.proc.kill()
         server.proc.wait(10)

@@ -19,12 +19,12 @@ from prometheus_client import generate_latest
 
 from hsx import wire
 from hsx_tools.server_process import MetricValues
-from hsx_service.app import ServerState, create_app
-from hsx_service.arena import Allocator, SharedArena
-from hsx_service.engine import ModelFacts
-from hsx_service.errors import EngineFailure
-from hsx_service.guard import PUBLIC_PATHS
-from hsx_service.metrics import Metrics, sample_loop_lag
+from hsx_service.http.app import ServerState, create_app
+from hsx_service.engine.arena import Allocator, SharedArena
+from hsx_service.engine.prefill import ModelFacts
+from hsx_service.http.errors import EngineFailure
+from hsx_service.http.guard import PUBLIC_PATHS
+from hsx_service.http.metrics import Metrics, sample_loop_lag
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 
@@ -34,7 +34,7 @@ H = 8
 
 
 class StandInEngine:
-    """What HiddenStatesService needs of hsx_service.engine.Extractor, without vLLM:
+    """What HiddenStatesService needs of hsx_service.engine.prefill.Extractor, without vLLM:
     `extract` writes a known pattern into the reserved range. `hold` makes requests
     wait inside the engine; `fail_after_hand_over` imitates a failure while the worker
     may still write (the range is freed only on `notice`)."""
@@ -57,7 +57,7 @@ class StandInEngine:
         self.entered = asyncio.Event()
 
     def reserve(self, num_tokens, num_layers):
-        from hsx_service.engine import Extractor
+        from hsx_service.engine.prefill import Extractor
 
         return Extractor.reserve(self, num_tokens, num_layers)  # the real one: errors included
 

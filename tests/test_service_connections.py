@@ -1,5 +1,5 @@
 """Connections that never finish their headers, and too many connections (issue 25):
-service/connections.py on a real uvicorn server over loopback sockets, with both of
+service/http/connections.py on a real uvicorn server over loopback sockets, with both of
 uvicorn's HTTP parsers, the guard middleware in front of a small app (no engine: the
 engine server's own check is in test_service_hostile.py). Fast: bounded loops, short
 deadlines, a few dozen connections.
@@ -18,10 +18,10 @@ import uvicorn
 from prometheus_client import generate_latest
 
 from hsx_tools.server_process import MetricValues
-from hsx_service.admission import AdmissionGate
-from hsx_service.connections import PROBE_RESERVE, ConnectionGuard, guarded_protocol
-from hsx_service.guard import GuardMiddleware
-from hsx_service.metrics import Metrics
+from hsx_service.http.admission import AdmissionGate
+from hsx_service.http.connections import PROBE_RESERVE, ConnectionGuard, guarded_protocol
+from hsx_service.http.guard import GuardMiddleware
+from hsx_service.http.metrics import Metrics
 from hsx_service.settings import ServiceSettings
 
 HEADER_TIMEOUT = 0.5

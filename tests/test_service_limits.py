@@ -170,7 +170,7 @@ async def test_request_templates_and_oversized_text_are_refused_before_any_token
 
 
 async def test_docs_are_served_without_a_cdn(arena):  # noqa: F811
-    from hsx_service.docs import asset_dir
+    from hsx_service.http.docs import asset_dir
 
     if asset_dir() is None:
         pytest.skip("this vLLM build ships no Swagger UI assets")
@@ -187,7 +187,7 @@ def test_stale_notify_sockets_of_dead_servers_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from hsx_service.engine import remove_stale_notify_sockets
+    from hsx_service.engine.prefill import remove_stale_notify_sockets
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f"hsx-notify-{dead.stdout.strip()}-abcd1234.sock"
@@ -212,7 +212,7 @@ def test_hsx_serve_help_names_its_flags_and_the_engine_groups():
 def test_hsx_serve_without_a_model_is_refused(monkeypatch):
     pytest.importorskip("vllm")
     from hsx_service.cli import parse
-    from hsx_service.errors import StartupError
+    from hsx_service.http.errors import StartupError
 
     monkeypatch.delenv("HSX_MODEL", raising=False)
     with pytest.raises(StartupError, match="hsx serve MODEL"):

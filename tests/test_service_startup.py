@@ -9,8 +9,8 @@ import pytest
 from _server import engine_env, serve_command
 from _server import serve_once as _serve
 from hsx.layers import default_layers
-from hsx_service.engine import check_parallelism, check_vllm_version, resolve_layers
-from hsx_service.errors import StartupError
+from hsx_service.engine.prefill import check_parallelism, check_vllm_version, resolve_layers
+from hsx_service.http.errors import StartupError
 
 
 def test_default_layers():
@@ -110,7 +110,7 @@ def test_serve_refuses_pipeline_parallel(refusals):
 @pytest.mark.compat
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--data-parallel-size"])
 def test_serve_refuses_parallel_before_0_31(request, flag):
-    from hsx_service import vllm_compat
+    from hsx_service.engine import vllm_compat
 
     version = pytest.importorskip("vllm", reason="vLLM is not installed").__version__
     if vllm_compat.supports_tp(version):

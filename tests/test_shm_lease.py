@@ -1,4 +1,4 @@
-"""Same-host transfer (service/lease.py, client/shm.py): states read from the server's
+"""Same-host transfer (service/engine/lease.py, client/shm.py): states read from the server's
 arena instead of an HTTP body, under a lease the client releases.
 
 Unit tests on the real pieces (a tmpfs arena, the abstract Unix socket, descriptor
@@ -29,8 +29,8 @@ from hsx_client import formats, shm
 from hsx_client.api import HsxClient
 from hsx_client.errors import LeaseExpiredError
 from hsx_client.verify import verify_corpus
-from hsx_service.arena import ALIGN, Allocator, SharedArena
-from hsx_service.lease import ArenaSocket, Leases, boot_id
+from hsx_service.engine.arena import ALIGN, Allocator, SharedArena
+from hsx_service.engine.lease import ArenaSocket, Leases, boot_id
 
 KEY = "lease-key-0123456789"  # marked for leases (--lease-api-key)
 OTHER_KEY = "other-team-key-abcdef"  # a valid API key that may not lease

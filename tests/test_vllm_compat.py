@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hsx_service import vllm_compat
-from hsx_service.cpu_threads import ENV, bind_cpu_workers, numa_nodes_with, split_cores
+from hsx_service.engine import vllm_compat
+from hsx_service.engine.cpu_threads import ENV, bind_cpu_workers, numa_nodes_with, split_cores
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -42,7 +42,7 @@ def test_kv_cache_usage_read_from_scheduler_stats():
 
 @pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
 def test_engine_stats_logger_keeps_the_fullest_engine():
-    from hsx_service.engine_stats import EngineStats
+    from hsx_service.engine.engine_stats import EngineStats
 
     stats = EngineStats()
     assert stats.kv_cache_usage() == 0.0
@@ -102,8 +102,8 @@ def test_hybrids_verified_per_backend_and_release():
 
 
 def test_check_hybrid_refuses_unverified_unless_allowed(monkeypatch):
-    from hsx_service.engine import check_hybrid
-    from hsx_service.errors import StartupError
+    from hsx_service.engine.prefill import check_hybrid
+    from hsx_service.http.errors import StartupError
     from hsx_service.settings import ServiceSettings
 
     monkeypatch.setattr(vllm_compat, "backend", lambda: "cuda")

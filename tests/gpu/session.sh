@@ -23,13 +23,13 @@ out=${OUT:-/tmp/out}
 # corpus in /dev/shm, a 16 GiB arena.
 remote_bench=(--client-process --codec-sample 0 --workdir /tmp/hsxb --output-dir /dev/shm/hsxc
               --server-arg=--arena-bytes=17179869184)
-# The runner check_cuda expects: vLLM's CUDA default for this release (hsx_service.vllm_compat).
+# The runner check_cuda expects: vLLM's CUDA default for this release (hsx_service.engine.vllm_compat).
 # Diagnosis only: RUNNER=v1 makes vLLM >= 0.29 use its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0),
 # to tell an MRV2 problem from anything else in the same session.
 [ "${RUNNER:-}" = v1 ] && export VLLM_USE_V2_MODEL_RUNNER=0
 expected_runner() {
     if [ "${RUNNER:-}" = v1 ]; then echo v1; return; fi
-    python3 -c "from hsx_service import vllm_compat; print(vllm_compat.cuda_default_runner('$ver'))"
+    python3 -c "from hsx_service.engine import vllm_compat; print(vllm_compat.cuda_default_runner('$ver'))"
 }
 
 case $step in

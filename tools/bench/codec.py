@@ -21,7 +21,7 @@ from hsx_tools.bench.common import (
 from hsx.layers import default_layers
 from hsx_tools.server_process import ServerProcess
 
-CODEC_CHUNK = 4 << 20  # bytes per frame, as the service compresses (hsx_service.response.CHUNK)
+CODEC_CHUNK = 4 << 20  # bytes per frame, as the service compresses (hsx_service.body.response.CHUNK)
 
 
 def _bf16_split_exp(u16):

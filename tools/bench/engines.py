@@ -26,7 +26,7 @@ def engine_kwargs(model: str, flags: list[str]) -> dict[str, Any]:
 
     from vllm.engine.arg_utils import EngineArgs
 
-    from hsx_service.vllm_compat import flexible_parser
+    from hsx_service.engine.vllm_compat import flexible_parser
 
     parser = EngineArgs.add_cli_args(flexible_parser()())
     base = vars(parser.parse_args(["--model", model]))

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 import zstandard
 
-PIECE = 4 << 20  # input bytes per compressor step (as service/compress.py)
+PIECE = 4 << 20  # input bytes per compressor step (as service/body/compress.py)
 
 
 def _payload(nbytes: int) -> bytes:

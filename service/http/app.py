@@ -21,17 +21,17 @@ from hsx import __version__ as hsx_version
 from hsx.protocol import final_norm as final_norm_body
 from hsx.protocol.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, SendReport
 from hsx.wire import LEASE_MEDIA_TYPE, MEDIA_TYPE
-from hsx_service.admission import DRAIN_RETRY_AFTER, AdmissionGate
-from hsx_service.docs import attach_offline_docs, offline_docs_app_kwargs
-from hsx_service.engine import Extractor
-from hsx_service.errors import Draining, LeaseGone, NotAvailable, NotReady, install_error_handlers
-from hsx_service.guard import GuardMiddleware
-from hsx_service.auth import key_matches
-from hsx_service.lease import ArenaSocket, key_may_lease
-from hsx_service.metrics import Metrics
-from hsx_service.norm import FinalNorm
-from hsx_service.protocol import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
-from hsx_service.response import choose_coding
+from hsx_service.http.admission import DRAIN_RETRY_AFTER, AdmissionGate
+from hsx_service.http.docs import attach_offline_docs, offline_docs_app_kwargs
+from hsx_service.engine.prefill import Extractor
+from hsx_service.http.errors import Draining, LeaseGone, NotAvailable, NotReady, install_error_handlers
+from hsx_service.http.guard import GuardMiddleware
+from hsx_service.http.auth import key_matches
+from hsx_service.engine.lease import ArenaSocket, key_may_lease
+from hsx_service.http.metrics import Metrics
+from hsx_service.engine.norm import FinalNorm
+from hsx_service.http.schema import ErrorResponse, HiddenStatesRequest, ProbeStatus, TokenizeResponse
+from hsx_service.body.response import choose_coding
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 from hsx_service.tokenize_pool import TokenizerPool
@@ -187,11 +187,11 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     async def hidden_states(body: HiddenStatesRequest, request: Request):
         st = _serving(request)
         service = st.service
-        lease, session, front = _lease_terms(st, request)
+        lease, session, http_worker = _lease_terms(st, request)
         coding = choose_coding(request.headers.get("accept"), request.headers.get("accept-encoding"), service.facts.dtype)
         work = asyncio.ensure_future(service.run(body, request.state.request_id, request.state.ticket, coding, lease,
-                                                 session, front))
-        exchange = request.headers.get(EXCHANGE_HEADER) if front else None
+                                                 session, http_worker))
+        exchange = request.headers.get(EXCHANGE_HEADER) if http_worker else None
         if exchange:
             st.exchanges[exchange] = work
         gone = asyncio.ensure_future(_client_gone(request))
@@ -246,7 +246,7 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     )
     async def release_lease(lease_id: str, request: Request):
         s = _serving(request)
-        report = SendReport.parse(request.headers.get(SENT_HEADER)) if _is_front(s, request) else None
+        report = SendReport.parse(request.headers.get(SENT_HEADER)) if _from_http_worker(s, request) else None
         if not s.service.release_lease(lease_id, report):
             raise LeaseGone(f"lease {lease_id[:64]!r} is unknown or expired; its states may be overwritten, redo the request")
         return Response(status_code=204)
@@ -256,7 +256,7 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
         """An HTTP worker's client left: abort that request if it is still being prepared or
         prefilled (the worker still reads its answer, and releases a lease in it)."""
         s = state(request)
-        if not _is_front(s, request):
+        if not _from_http_worker(s, request):
             raise NotAvailable("not found")
         work = s.exchanges.get(exchange)
         if work is not None:
@@ -299,7 +299,7 @@ def _key(request: Request) -> str | None:
 
 def _lease_terms(st: ServerState, request: Request) -> tuple[bool, str | None, bool]:
     """Whether this request may get a lease, the lease session it belongs to, and whether
-    it is an HTTP worker's (fronts.py). Only keys marked for leases get one, and only
+    it is an HTTP worker's (http_workers.py). Only keys marked for leases get one, and only
     inside a live session of the arena socket: a request without one (left out, closed or
     made up) gets an HTTP body (the Accept header lists it too), so every lease ends with
     its client's connection and none can pin the arena until --lease-timeout. The
@@ -311,15 +311,15 @@ def _lease_terms(st: ServerState, request: Request) -> tuple[bool, str | None, b
     session = request.headers.get(SESSION_HEADER)
     if session is None or st.arena_socket is None or session not in st.arena_socket.sessions:
         return False, None, False
-    return True, session, _is_front(st, request)
+    return True, session, _from_http_worker(st, request)
 
 
-def _is_front(st: ServerState, request: Request) -> bool:
+def _from_http_worker(st: ServerState, request: Request) -> bool:
     return st.front_token is not None and key_matches((_key(request) or "").encode(), [st.front_token.encode()])
 
 
 def _may_lease(st: ServerState, request: Request) -> bool:
-    if _is_front(st, request):
+    if _from_http_worker(st, request):
         return True
     s = st.settings
     if not s.shm_lease:  # the lease table may exist for HTTP workers alone

@@ -67,8 +67,8 @@ from vllm.logger import init_logger
 
 from hsx import lifeline
 from hsx.protocol import KV_PARAMS_KEY
-from hsx_service import hidden_cache, vllm_compat
-from hsx_service.arena import SharedArena
+from hsx_service.engine import hidden_cache, vllm_compat
+from hsx_service.engine.arena import SharedArena
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 from hsx.dtypes import by_name as dtype_by_name
 from hsx.layers import default_layers
 from hsx.protocol import KV_PARAMS_KEY
-from hsx_service import vllm_compat
-from hsx_service.arena import Allocator, ArenaFull, ArenaTooSmall, Reservation, SharedArena
-from hsx_service.cpu_threads import bind_cpu_workers
-from hsx_service.engine_output import ChildOutput
-from hsx_service.engine_stats import EngineStats
-from hsx_service.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError, TooLarge
+from hsx_service.engine import vllm_compat
+from hsx_service.engine.arena import Allocator, ArenaFull, ArenaTooSmall, Reservation, SharedArena
+from hsx_service.engine.cpu_threads import bind_cpu_workers
+from hsx_service.engine.engine_output import ChildOutput
+from hsx_service.engine.engine_stats import EngineStats
+from hsx_service.http.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError, TooLarge
 from hsx_service.settings import ServiceSettings
 
 if TYPE_CHECKING:  # vLLM is imported when the engine starts, not with this module
@@ -115,10 +115,10 @@ def check_layer_zero(model_cls: Any, arch: str, layers: list[int]) -> None:
 
 def avoid_wrong_cpu_rope(model_config: Any, engine_args: Any, arch: str) -> None:
     """MLA on the CPU backend: where vLLM's CPU rotary kernel rotates MLA's query/key views
-    wrongly (hsx_service.rope_probe), vLLM's PyTorch formula is used instead (the custom op off)."""
+    wrongly (hsx_service.engine.rope_probe), vLLM's PyTorch formula is used instead (the custom op off)."""
     if not (vllm_compat.is_cpu_backend() and getattr(model_config, "use_mla", False)):
         return
-    from hsx_service.rope_probe import mla_rope_error
+    from hsx_service.engine.rope_probe import mla_rope_error
 
     err = mla_rope_error()
     if err <= 1e-4:
@@ -212,7 +212,7 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
     }
     engine_args.kv_transfer_config = {
         "kv_connector": "HsxConnector",
-        "kv_connector_module_path": "hsx_service.connector",
+        "kv_connector_module_path": "hsx_service.engine.connector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {
             "arena_path": arena.path,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from hsx_service.errors import Draining, NotReady, Overloaded
-from hsx_service.metrics import Metrics
+from hsx_service.http.errors import Draining, NotReady, Overloaded
+from hsx_service.http.metrics import Metrics
 
 DRAIN_RETRY_AFTER = 5.0
 

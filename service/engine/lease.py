@@ -55,8 +55,8 @@ from dataclasses import dataclass
 
 from hsx.protocol.lease import SendReport
 from hsx.wire import boot_id
-from hsx_service.arena import Reservation
-from hsx_service.auth import key_matches
+from hsx_service.engine.arena import Reservation
+from hsx_service.http.auth import key_matches
 
 log = logging.getLogger("hsx.lease")
 
@@ -178,7 +178,7 @@ class ArenaSocket:
         self._size = arena_size
         self._keys = [k.encode() for k in api_keys]
         self._lease_keys = [k.encode() for k in (lease_keys or [])]
-        # The HTTP workers' key (fronts.py): they map the arena whatever the client keys say.
+        # The HTTP workers' key (http_workers.py): they map the arena whatever the client keys say.
         self._internal_key = [internal_key.encode()] if internal_key else []
         self._clients = clients  # False (--shm-lease false): the HTTP workers alone may map the arena
         self._on_session_end = on_session_end  # called in the event loop's thread

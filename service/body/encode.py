@@ -1,7 +1,7 @@
 """One response body, coded as negotiated: the headers and the stream a route sends.
 
 Both places that send states build them here: the engine process when it serves HTTP
-itself (serving.py), and the HTTP workers (front.py), which send from their own
+itself (serving.py), and the HTTP workers (http_worker.py), which send from their own
 read-only mapping of the arena.
 """
 
@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 from hsx import bf16split
 from hsx.wire import MEDIA_TYPE, TensorSpec, encode_header
-from hsx_service.compress import CompressPool, stream_bf16split
-from hsx_service.response import Body, Stats, stream_identity, stream_zstd
+from hsx_service.body.compress import CompressPool, stream_bf16split
+from hsx_service.body.response import Body, Stats, stream_identity, stream_zstd
 
 
 def encode_body(specs: list[TensorSpec], parts: list, metadata: dict[str, str], coding: str, stats: Stats,

@@ -11,7 +11,7 @@ the bytes, each on its own core(s):
 - `POST /hidden_states` asking for a body: after the guard (headers, key, body limits:
   guard.py, as in the engine process), forwarded to the engine process over its socket
   as a request for a *worker lease* (this worker's token as the key, its arena session:
-  service/lease.py). The answer names the states' range in the shared arena; the worker
+  service/engine/lease.py). The answer names the states' range in the shared arena; the worker
   builds the very body the engine process would have sent (body.py: identity, zstd or
   bf16split, compressed on this worker's own thread pool) from its read-only mapping of
   the arena, then releases the lease with a report of what it sent (lease.SendReport),
@@ -24,7 +24,7 @@ the bytes, each on its own core(s):
 - The engine process unreachable (starting up, stopping): 503 with Retry-After.
 
 A worker ignores SIGTERM / SIGINT: the engine process drains and then stops its workers
-by closing their standard input (fronts.py), which they also see if it dies.
+by closing their standard input (http_workers.py), which they also see if it dies.
 """
 
 from __future__ import annotations
@@ -47,19 +47,19 @@ from hsx import lifeline
 from hsx.dtypes import BY_ST
 from hsx.protocol.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, ArenaMap, SendReport, ShmUnavailable, attach
 from hsx.wire import LEASE_MEDIA_TYPE, TensorSpec, WireFormatError, check_body, lease_of
-from hsx_service.admission import AdmissionGate
-from hsx_service.body import encode_body
-from hsx_service.compress import CompressPool
-from hsx_service.connections import protocol_for
-from hsx_service.errors import EngineFailure, NotReady, ServiceError, render
-from hsx_service.guard import GuardMiddleware
-from hsx_service.metrics import Metrics
-from hsx_service.response import Stats, choose_coding
+from hsx_service.http.admission import AdmissionGate
+from hsx_service.body.encode import encode_body
+from hsx_service.body.compress import CompressPool
+from hsx_service.http.connections import protocol_for
+from hsx_service.http.errors import EngineFailure, NotReady, ServiceError, render
+from hsx_service.http.guard import GuardMiddleware
+from hsx_service.http.metrics import Metrics
+from hsx_service.body.response import Stats, choose_coding
 from hsx_service.settings import ServiceSettings
 
-log = logging.getLogger("hsx.front")
+log = logging.getLogger("hsx.http_worker")
 
-CONFIG_ENV = "HSX_HTTP_WORKER"  # JSON: fd, upstream, token, index, threads, settings (fronts.py writes it)
+CONFIG_ENV = "HSX_HTTP_WORKER"  # JSON: fd, upstream, token, index, threads, settings (http_workers.py writes it)
 UPSTREAM_BASE = "http://hsx-engine"
 UNREACHABLE_RETRY = 2.0  # seconds a client waits before retrying when the engine process is unreachable
 ARENA_RETRY = 30.0  # seconds before a worker that could not map the arena tries again
@@ -346,7 +346,7 @@ def _unreachable(exc: Exception) -> ServiceError:
 
 class _WorkerServer(uvicorn.Server):
     """uvicorn that ignores SIGTERM / SIGINT (the engine process drains first, then ends
-    its workers) and stops when its standard input closes (fronts.py closes it, or the
+    its workers) and stops when its standard input closes (http_workers.py closes it, or the
     engine process died)."""
 
     @contextmanager
@@ -355,7 +355,7 @@ class _WorkerServer(uvicorn.Server):
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        threading.Thread(target=self._stop_on_eof, name="hsx-front-stdin", daemon=True).start()
+        threading.Thread(target=self._stop_on_eof, name="hsx-http-worker-stdin", daemon=True).start()
         yield
 
     def _stop_on_eof(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hsx_service import vllm_compat
+from hsx_service.engine import vllm_compat
 
 
 class EngineStats:

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hsx_service.metrics import Metrics
+from hsx_service.http.metrics import Metrics
 
 log = logging.getLogger("hsx.errors")
 

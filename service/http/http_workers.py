@@ -1,7 +1,7 @@
 """The HTTP workers of the engine process (`--http-workers`): start, watch, stop.
 
 The engine process binds the public port itself (so a port in use is refused at start,
-exit 2: Listener) and hands the listening socket to each worker (front.py), which serve it side
+exit 2: Listener) and hands the listening socket to each worker (http_worker.py), which serve it side
 by side; it listens only on a Unix socket in a private directory for them. A worker
 that dies is replaced (its worker leases end with its arena session); workers that
 keep dying right after their start stop the server (exit 1: the orchestrator sees it).
@@ -21,11 +21,11 @@ import tempfile
 import time
 
 from hsx.host import usable_cores
-from hsx_service.compress import default_threads
-from hsx_service.errors import StartupError
+from hsx_service.body.compress import default_threads
+from hsx_service.http.errors import StartupError
 from hsx_service.settings import ServiceSettings
 
-log = logging.getLogger("hsx.fronts")
+log = logging.getLogger("hsx.http_workers")
 
 MAX_AUTO = 8
 QUICK_DEATH_S = 10.0  # a worker that exits this soon after its start counts towards giving up
@@ -104,7 +104,7 @@ class HttpWorkers:
         config = {"fd": self.sock.fileno(), "upstream": self.upstream, "token": self.token, "index": index,
                   "threads": self.threads, "settings": self.settings.model_dump(mode="json")}
         env = {**os.environ, "HSX_HTTP_WORKER": json.dumps(config)}
-        self.procs[index] = subprocess.Popen([sys.executable, "-m", "hsx_service.front"], stdin=subprocess.PIPE,
+        self.procs[index] = subprocess.Popen([sys.executable, "-m", "hsx_service.http.http_worker"], stdin=subprocess.PIPE,
                                              pass_fds=(self.sock.fileno(),), env=env)
         self.started_at[index] = time.monotonic()
 

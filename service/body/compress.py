@@ -30,7 +30,7 @@ import zstandard
 from hsx import bf16split
 from hsx.host import usable_cores
 from hsx.wire import TensorSpec, encode_header
-from hsx_service.response import timed
+from hsx_service.body.response import timed
 
 PIECE = bf16split.PIECE
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from hsx_service.admission import AdmissionGate
-from hsx_service.auth import key_matches
-from hsx_service.connections import PROBE_ONLY
-from hsx_service.docs import ASSET_PATHS
-from hsx_service.errors import (BodyTimeout, HeadersTooLarge, Overloaded, ServiceError, TooLarge, Unauthorized,
+from hsx_service.http.admission import AdmissionGate
+from hsx_service.http.auth import key_matches
+from hsx_service.http.connections import PROBE_ONLY
+from hsx_service.http.docs import ASSET_PATHS
+from hsx_service.http.errors import (BodyTimeout, HeadersTooLarge, Overloaded, ServiceError, TooLarge, Unauthorized,
                                UnsupportedMedia, render)
-from hsx_service.metrics import Metrics
+from hsx_service.http.metrics import Metrics
 from hsx_service.settings import ServiceSettings
 
 PROBE_PATHS = ("/health", "/ready", "/metrics")
@@ -40,7 +40,7 @@ class GuardMiddleware:
                  internal_key: str | None = None):
         self.app = app
         self.keys = [k.encode() for k in settings.accepted_keys]
-        if self.keys and internal_key:  # the HTTP workers' own requests (fronts.py); no keys: no auth at all
+        if self.keys and internal_key:  # the HTTP workers' own requests (http_workers.py); no keys: no auth at all
             self.keys.append(internal_key.encode())
         self.max_body = settings.max_body_bytes
         self.body_timeout = settings.body_timeout

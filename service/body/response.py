@@ -158,7 +158,7 @@ def stream_zstd(body: Body, stats: Stats, level: int, executor: Executor | None,
                 frame_threads: int = 0) -> AsyncIterator[bytes]:
     """One zstd frame for the whole body (httpx's decoder cannot restart between frames
     that end on a chunk boundary); many responses compress in parallel on `executor`
-    (the server's compress pool, service/compress.py), and with `frame_threads` > 0 the
+    (the server's compress pool, service/body/compress.py), and with `frame_threads` > 0 the
     frame's own blocks on that many zstd threads too (one frame still: zstd's multithreaded
     mode), so that one body is not one core's work: the last bodies of a run, or of a
     burst, wait on that alone."""
