@@ -63,7 +63,7 @@ WATCH_INTERVAL = 0.5
 DRAIN_POLL = 0.05
 CUT_OFF_GRACE = 2.0  # after --shutdown-timeout: seconds for the cut-off requests' 503s and open bodies
 # The process is gone this many seconds after --shutdown-timeout, at the latest (the
-# manifests' grace periods cover the sum: tests/test_stop_budget.py).
+# manifests' grace periods cover the sum: tests/tools/test_stop_budget.py).
 STOP_MARGIN = 10.0
 FORCE_RESERVE = 1.5  # of STOP_MARGIN: for killing the engine's processes and exiting
 

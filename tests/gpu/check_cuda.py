@@ -1,6 +1,6 @@
 """The service's correctness check on a CUDA machine (run by hand on the lent H200).
 
-Same checks as tests/test_service_correctness.py, against a real `hsx serve` with torch.compile
+Same checks as tests/service/test_service_correctness.py, against a real `hsx serve` with torch.compile
 and CUDA graphs on (vLLM's defaults): a random bf16 Llama (concurrent mixed lengths, a
 prompt longer than --max-num-batched-tokens, shared prefixes with prefix caching, same-host
 leases, requests hung up mid-flight), the trained stories260K with real chats through a real

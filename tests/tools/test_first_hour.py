@@ -1,7 +1,7 @@
 """Issue 10 ("first hour with hsx") without an engine: install names, the README, the
 pre-flight against /info, defaults from the servers, drops and cuts, exit codes and
 reasons, noise, the disk estimate. One-line refusals and fail-fast:
-tests/test_one_line_refusals.py; the same against a real server: tests/test_first_hour_e2e.py."""
+tests/tools/test_one_line_refusals.py; the same against a real server: tests/e2e/test_first_hour_e2e.py."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ async def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(tiny_model, l
 
 async def test_injected_engine_failure_gives_500_health_503_and_nonzero_exit(tiny_model, log_dir):
     need_vllm()
-    inject = Path(__file__).parent / "fault_inject"
+    inject = Path(__file__).resolve().parents[2] / "fault_inject"
     env = engine_env(HSX_FAULT_TOKEN="999",
                      PYTHONPATH=os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")]))
     server = ServerProcess(str(tiny_model), "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 pytest_plugins = ["pytester"]
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/: conftest.py and _server.py
 
 CASES = '''
 import pytest

@@ -1,5 +1,5 @@
 """Issue 14's deployment files checked against each other and against the code, offline
-(the checks of tests/test_deploy.py, applied to the sharded run):
+(the checks of tests/tools/test_deploy.py, applied to the sharded run):
 
 - deploy/kubernetes/jobs/{volume,extract,merge}: rendered, schema-validated (strict
   kubernetes-validate; kubectl kustomize agrees when installed); the extract Job is Indexed,
@@ -7,9 +7,9 @@
   /dev/shm match the server, and a client whose flags parse with `hsx extract`'s own
   parser, which takes shard I of N from the pod's index and talks to 127.0.0.1 (leases);
   the merge Job's command parses with `hsx merge`'s parser and names every shard's output
-  on the same ReadWriteMany volume; images pinned; no plain secrets (tests/test_deploy.py's
+  on the same ReadWriteMany volume; images pinned; no plain secrets (tests/tools/test_deploy.py's
   scan covers every file under deploy/);
-- run.sh, deploy/slurm/*: shellcheck (tests/test_deploy.py) and run here against fake
+- run.sh, deploy/slurm/*: shellcheck (tests/tools/test_deploy.py) and run here against fake
   kubectl / sbatch / hsx / curl: the merge starts only after every shard succeeded.
 """
 

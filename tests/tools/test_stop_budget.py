@@ -1,10 +1,10 @@
 """Every shipped manifest that runs `hsx serve` gives it the time its stop may take.
 
 After SIGTERM, `hsx serve` is gone within --shutdown-timeout + lifecycle.STOP_MARGIN
-(tests/test_process_death.py measures it with an engine that no longer answers); an
+(tests/service/test_process_death.py measures it with an engine that no longer answers); an
 orchestrator that kills sooner (terminationGracePeriodSeconds, compose's
 stop_grace_period) would SIGKILL requests still draining. Offline: the manifests are
-rendered by tests/test_deploy.py's kustomize subset.
+rendered by tests/tools/test_deploy.py's kustomize subset.
 """
 
 from __future__ import annotations

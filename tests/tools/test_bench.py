@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.engine
 @pytest.mark.slow

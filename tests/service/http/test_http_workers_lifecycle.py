@@ -2,7 +2,7 @@
 server's life with them: drain on SIGTERM, workers that keep dying, `--shm-lease false`.
 
 What a worker serves (bodies, relayed errors, hang-ups, a killed worker) is in
-tests/test_http_workers.py.
+tests/service/http/test_http_workers.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-KIT = Path(__file__).resolve().parent / "gpu" / "kit"
+KIT = Path(__file__).resolve().parents[1] / "gpu" / "kit"
 sys.path.insert(0, str(KIT))
 import fatbin_prune  # noqa: E402
 import safe_strip  # noqa: E402
