@@ -24,7 +24,7 @@ from hsx.protocol.lease import SendReport
 from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, TensorSpec, encode_header
 from hsx_service.http.admission import AdmissionGate, Ticket
 from hsx_service.engine.arena import Reservation
-from hsx_service.engine.prefill import Extractor
+from hsx_service.engine.prefill import PrefillEngine
 from hsx_service.http.errors import BadInput, NoSupervisedTokens, TooLarge
 from hsx_service.body.encode import encode_body
 from hsx_service.engine.lease import Leases
@@ -61,15 +61,27 @@ class Reply:
 
 
 class HiddenStatesService:
-    def __init__(self, settings: ServiceSettings, extractor: Extractor, tokenizer: TokenizerPool, metrics: Metrics,
+    def __init__(self, settings: ServiceSettings, prefill: PrefillEngine, tokenizer: TokenizerPool, metrics: Metrics,
                  gate: AdmissionGate, http_workers: int = 0):
         self.settings = settings
-        self.extractor = extractor
+        self.prefill = prefill
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.gate = gate
-        self.facts = extractor.facts
+        self.facts = prefill.facts
         assert self.facts is not None
+        f = self.facts
+        # The model as every answer names it (/info, /tokenize, each body's metadata), made once.
+        self.card = {
+            "model": f.served_model_name,
+            "model_path": f.model,
+            "model_revision": f.revision or "",
+            "num_hidden_layers": f.num_hidden_layers,
+            "hidden_size": f.hidden_size,
+            "dtype": f.dtype,
+            "vllm_version": f.vllm_version,
+            "hsx_version": hsx_version,
+        }
         self.max_tokens = min(
             settings.max_tokens_per_request or self.facts.max_model_len - 1, self.facts.max_model_len - 1
         )
@@ -84,10 +96,10 @@ class HiddenStatesService:
         if settings.shm_lease or http_workers:
             self.leases = Leases(settings.lease_timeout, on_end=lambda outcome: metrics.leases.labels(outcome).inc(),
                                  per_session=settings.lease_max_per_session,
-                                 arena_bytes=extractor.allocator.size if extractor.allocator is not None else None)
-        gate.engine_dead = lambda: extractor.dead
-        allocator = extractor.allocator
-        metrics.engine_running.set_function(lambda: extractor.engine_running)
+                                 arena_bytes=prefill.allocator.size if prefill.allocator is not None else None)
+        gate.engine_dead = lambda: prefill.dead
+        allocator = prefill.allocator
+        metrics.engine_running.set_function(lambda: prefill.engine_running)
         metrics.leases_live.set_function(lambda: len(self.leases) if self.leases is not None else 0)
         metrics.arena_used.set_function(lambda: allocator.used if allocator is not None else 0)
 
@@ -178,15 +190,15 @@ class HiddenStatesService:
         table of an online-training corpus costs no GPU pass (`hsx extract --states none`).
         The guard's gate door refuses it while draining, as it does /hidden_states."""
         prep = await self.prepare(req)
-        enc, f = prep.encoded, self.facts
+        enc = prep.encoded
         return {
             "token_ids": enc.token_ids,
             "loss_mask": enc.loss_mask,
             "loss_mask_source": enc.mask_source,
             "layer_ids": prep.layer_ids,
-            "model": f.served_model_name,
-            "model_revision": f.revision or "",
-            "chat_template_sha256": (self.tokenizer.template_sha256 or "") if req.messages and not req.chat_template else "",
+            "model": self.card["model"],
+            "model_revision": self.card["model_revision"],
+            "chat_template_sha256": self.template_sha256(req),
             "request_id": request_id,
             "caller_id": req.id or "",
             "num_input_tokens": prep.input_tokens,
@@ -199,7 +211,7 @@ class HiddenStatesService:
         answer with a lease on the arena range instead of the states' bytes (lease.py);
         the range then lives until the lease is released or expires. `http_worker`: the lease is
         an HTTP worker's (http_worker.py), which sends the body itself. `coding`: identity,
-        zstd or bf16split (response.choose_coding)."""
+        zstd or bf16split (negotiate.choose_coding)."""
         t_start = time.perf_counter()
         prep = await self.prepare(req)
         # Counted with tokenize, for requests that pass it (a refused input runs no phase).
@@ -208,10 +220,10 @@ class HiddenStatesService:
         self.metrics.phase.labels("tokenize").observe(time.perf_counter() - t_start)
         ids = prep.encoded.token_ids
         ticket.admit(len(ids))
-        reservation = self.extractor.reserve(len(ids), len(prep.layer_ids))
+        reservation = self.prefill.reserve(len(ids), len(prep.layer_ids))
         started = time.perf_counter()
         try:
-            timing = await self.extractor.extract(ids, prep.layer_index, reservation, request_id)
+            timing = await self.prefill.extract(ids, prep.layer_index, reservation, request_id)
         except asyncio.CancelledError:  # a hang-up or the drain's cut-off: the route counts it
             reservation.release()
             raise
@@ -237,7 +249,7 @@ class HiddenStatesService:
         n = len(ids)
         states = TensorSpec("hidden_states", st_code(f.dtype), (n, len(prep.layer_ids), f.hidden_size))
         specs = [states, TensorSpec("token_ids", "I64", (n,))]
-        parts: list = [self.extractor.arena.slice(reservation.extent), np.asarray(ids, dtype=np.int64).tobytes()]
+        parts: list = [self.prefill.arena.slice(reservation.extent), np.asarray(ids, dtype=np.int64).tobytes()]
         if prep.encoded.loss_mask is not None:
             specs.append(TensorSpec("loss_mask", "U8", (n,)))
             parts.append(np.asarray(prep.encoded.loss_mask, dtype=np.uint8).tobytes())
@@ -265,7 +277,7 @@ class HiddenStatesService:
         lease_id = self.leases.grant(reservation.hand_over(), session, expires=not http_worker, on_end=on_end)
         self.metrics.leases.labels("granted").inc()
         metadata["lease"] = json.dumps({
-            "id": lease_id, "arena_id": self.extractor.arena.arena_id, "offset": extent.offset,
+            "id": lease_id, "arena_id": self.prefill.arena.arena_id, "offset": extent.offset,
             "nbytes": extent.nbytes, "dtype": states.dtype, "shape": list(states.shape),
             "expires_in": None if http_worker else self.settings.lease_timeout,
         })
@@ -302,25 +314,21 @@ class HiddenStatesService:
             self._record(n, report.raw, report.wire, report.complete and outcome == "released", started,
                          report.send_s, report.work_s, report.coding)
 
+    def template_sha256(self, req: HiddenStatesRequest) -> str:
+        """The server's chat template's hash when it rendered this input (a chat without a
+        template of its own), else ""."""
+        return (self.tokenizer.template_sha256 or "") if req.messages and not req.chat_template else ""
+
     def _metadata(self, req: HiddenStatesRequest, prep: Prepared, request_id: str) -> dict[str, str]:
-        f = self.facts
-        template = self.tokenizer.template_sha256 if req.messages and not req.chat_template else None
         return {
             "format": FORMAT,
-            "model": f.served_model_name,
-            "model_path": f.model,
-            "model_revision": f.revision or "",
+            **self.card,
             "layer_ids": json.dumps(prep.layer_ids),
-            "num_hidden_layers": f.num_hidden_layers,
-            "hidden_size": f.hidden_size,
-            "dtype": f.dtype,
             "last_layer_pre_norm": "true",
             "loss_mask_source": prep.encoded.mask_source,
-            "vllm_version": f.vllm_version,
-            "hsx_version": hsx_version,
             "request_id": request_id,
             "caller_id": req.id or "",
-            "chat_template_sha256": template or "",
+            "chat_template_sha256": self.template_sha256(req),
             "num_input_tokens": prep.input_tokens,
         }
 

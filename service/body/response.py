@@ -1,5 +1,5 @@
 """The response body: a safetensors file streamed from the arena, coded as negotiated
-(`choose_coding`: identity, zstd content coding, or the bf16split media type).
+(negotiate.choose_coding: identity, zstd content coding, or the bf16split media type).
 
 The header is built here (hsx.wire), the hidden-state bytes are read straight from
 the shared arena: compressed chunk by chunk in worker threads (zstandard releases
@@ -23,49 +23,6 @@ import numpy as np
 import zstandard
 
 CHUNK = 4 << 20  # bytes of input per zstd frame / per identity write
-
-
-def accepts_zstd(accept_encoding: str | None) -> bool:
-    """RFC 9110 Accept-Encoding: zstd allowed unless absent or q=0."""
-    if not accept_encoding:
-        return False
-    for part in accept_encoding.split(","):
-        name, _, params = part.strip().partition(";")
-        if name.strip().lower() in ("zstd", "*"):
-            q = params.strip().lower()
-            if q.startswith("q="):
-                try:
-                    return float(q[2:]) > 0
-                except ValueError:
-                    return False
-            return True
-    return False
-
-
-def accepts_media(accept: str | None, media_type: str) -> bool:
-    """RFC 9110 Accept: `media_type` named with q > 0 (no wildcard: it is an opt-in)."""
-    for part in (accept or "").split(","):
-        name, *params = (x.strip() for x in part.split(";"))
-        if name.lower() == media_type:
-            for prm in params:
-                if prm.lower().startswith("q="):
-                    try:
-                        return float(prm[2:]) > 0
-                    except ValueError:
-                        return False
-            return True
-    return False
-
-
-def choose_coding(accept: str | None, accept_encoding: str | None, dtype: str) -> str:
-    """identity | zstd | bf16split. bf16split only when asked for in Accept, the states
-    are bf16, and zstd is acceptable (its frames are zstd); else zstd when accepted."""
-    from hsx import bf16split
-
-    zstd = accepts_zstd(accept_encoding)
-    if zstd and dtype == "bfloat16" and accepts_media(accept, bf16split.MEDIA_TYPE):
-        return "bf16split"
-    return "zstd" if zstd else "identity"
 
 
 @dataclass

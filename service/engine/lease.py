@@ -50,7 +50,7 @@ import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from hsx.protocol.lease import SendReport
@@ -161,6 +161,54 @@ class Leases:
 def key_may_lease(key: bytes, keys: list[bytes], lease_keys: list[bytes]) -> bool:
     """With API keys, only those marked for leases (--lease-api-key) may take one."""
     return not keys or (bool(lease_keys) and key_matches(key, lease_keys))
+
+
+@dataclass(frozen=True)
+class LeaseTerms:
+    """What one request may get: a lease (else an HTTP body), the lease session it belongs
+    to, and whether it is an HTTP worker's (which sends the body itself)."""
+
+    granted: bool
+    session: str | None = None
+    http_worker: bool = False
+
+
+NO_LEASE = LeaseTerms(False)
+
+
+class LeasePolicy:
+    """Who may lease, in one place (the threat model in the module docstring): /info's offer
+    and each request's terms. The HTTP workers' key always may; otherwise leases must be
+    on (--shm-lease) and, with API keys, the key one of --lease-api-key."""
+
+    def __init__(self, shm_lease: bool, keys: list[str], lease_keys: list[str], worker_token: str | None):
+        self.shm_lease = shm_lease
+        self._keys = [k.encode() for k in keys]
+        self._lease_keys = [k.encode() for k in lease_keys]
+        self._worker = worker_token.encode() if worker_token is not None else None
+
+    def from_http_worker(self, key: str | None) -> bool:
+        return self._worker is not None and key_matches((key or "").encode(), [self._worker])
+
+    def may_lease(self, key: str | None) -> bool:
+        if self.from_http_worker(key):
+            return True
+        if not self.shm_lease:  # the lease table may exist for HTTP workers alone
+            return False
+        return key_may_lease((key or "").encode(), self._keys, self._lease_keys)
+
+    def terms(self, key: str | None, wants_lease: bool, session: str | None, leases: Leases | None,
+              live_sessions: Container[str]) -> LeaseTerms:
+        """Only keys that may lease get one, and only inside a live session of the arena
+        socket: a request without one (left out, closed or made up) gets an HTTP body (its
+        Accept lists that too), so every lease ends with its client's connection and none can
+        pin the arena until --lease-timeout. The session's caps are checked once the states'
+        size is known (Leases.may_lease)."""
+        if leases is None or not wants_lease or not self.may_lease(key):
+            return NO_LEASE
+        if session is None or session not in live_sessions:
+            return NO_LEASE
+        return LeaseTerms(True, session, self.from_http_worker(key))
 
 
 class ArenaSocket:

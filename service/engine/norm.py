@@ -20,7 +20,7 @@ _FINAL_NORM = re.compile(r"^(?:.*\.)?(?:model|transformer|language_model)\.(?:no
 
 
 @dataclass
-class FinalNorm:
+class CheckpointNorm:
     weight: np.ndarray  # float32 [H]
     eps: float
     style: str  # "rms" | "gemma"
@@ -35,7 +35,7 @@ def _local_dir(model: str, revision: str | None) -> str:
     return snapshot_download(model, revision=revision, allow_patterns=["*.safetensors", "*.json"], local_files_only=True)
 
 
-def load_final_norm(model: str, revision: str | None, text_config) -> FinalNorm:
+def load_final_norm(model: str, revision: str | None, text_config) -> CheckpointNorm:
     from safetensors import safe_open
 
     directory = _local_dir(model, revision)
@@ -59,4 +59,4 @@ def load_final_norm(model: str, revision: str | None, text_config) -> FinalNorm:
         weight = f.get_tensor(name).to(torch.float32).numpy()
     eps = getattr(text_config, "rms_norm_eps", None) or getattr(text_config, "layer_norm_eps", None) or 1e-6
     style = "gemma" if getattr(text_config, "model_type", "") in GEMMA_TYPES else "rms"
-    return FinalNorm(weight=weight, eps=float(eps), style=style, tensor_name=name)
+    return CheckpointNorm(weight=weight, eps=float(eps), style=style, tensor_name=name)

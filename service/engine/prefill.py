@@ -2,7 +2,7 @@
 
 `build_engine_config` checks what can be refused before any GPU is touched
 (vLLM version, parallelism, architecture, layer ids) and wires the
-`extract_hidden_states` speculative method to hsx's connector. `Extractor` runs
+`extract_hidden_states` speculative method to hsx's connector. `PrefillEngine` runs
 one request: reserve an arena range (a `Reservation`), prefill with max_tokens=1, wait
 for the worker's copy notice; the range is then the HTTP layer's to send and release.
 """
@@ -314,7 +314,7 @@ def remove_stale_notify_sockets(directory: str) -> list[str]:
     return removed
 
 
-class Extractor:
+class PrefillEngine:
     """Owns the AsyncLLM, the arena and the notices; one `extract` per request."""
 
     def __init__(self, settings: ServiceSettings, engine_args: Any):

@@ -19,7 +19,7 @@ import asyncio
 import uuid
 
 from hsx_service.http.admission import AdmissionGate
-from hsx_service.http.auth import key_matches
+from hsx_service.http.auth import bearer_token, key_matches
 from hsx_service.http.connections import PROBE_ONLY
 from hsx_service.http.docs import ASSET_PATHS
 from hsx_service.http.errors import (BodyTimeout, HeadersTooLarge, Overloaded, ServiceError, TooLarge, Unauthorized,
@@ -92,8 +92,8 @@ class GuardMiddleware:
                                   f"{self.max_headers} headers of {self.max_header_bytes} bytes")
 
     def _authorize(self, headers: dict[str, str]) -> None:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key_matches(token.strip().encode(), self.keys):
+        token = bearer_token(headers.get("authorization"))
+        if token is None or not key_matches(token.encode(), self.keys):
             raise Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
 
     def _check_body(self, headers: dict[str, str]) -> None:

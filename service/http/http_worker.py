@@ -51,10 +51,12 @@ from hsx_service.http.admission import AdmissionGate
 from hsx_service.body.encode import encode_body
 from hsx_service.body.compress import CompressPool
 from hsx_service.http.connections import protocol_for
+from hsx_service.http.disconnect import race_client
 from hsx_service.http.errors import EngineFailure, NotReady, ServiceError, render
 from hsx_service.http.guard import GuardMiddleware
 from hsx_service.http.metrics import Metrics
-from hsx_service.body.response import Stats, choose_coding
+from hsx_service.body.negotiate import accepts_media, choose_coding
+from hsx_service.body.response import Stats
 from hsx_service.settings import ServiceSettings
 
 log = logging.getLogger("hsx.http_worker")
@@ -90,18 +92,14 @@ async def _read_body(receive) -> bytes | None:
             return b"".join(chunks)
 
 
-async def _client_gone(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class FrontApp:
+class HttpWorkerApp:
     """The worker's ASGI app (behind GuardMiddleware): see the module docstring."""
 
     def __init__(self, settings: ServiceSettings, upstream: str, token: str, threads: int) -> None:
         self.settings = settings
         self.upstream_path = upstream
         self.token = token
+        self.auth = {"authorization": f"Bearer {self.token}"}  # to the engine process, as its internal key
         self.threads = threads
         self.client: httpx.AsyncClient | None = None
         self.pool: CompressPool | None = None
@@ -160,13 +158,9 @@ class FrontApp:
         request = self.client.build_request(scope["method"], path, headers=_forwarded_headers(scope["headers"]),
                                             content=body)
         work = asyncio.ensure_future(self._relay_answer(request, send))
-        gone = asyncio.ensure_future(_client_gone(receive))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():  # the client left: closing the upstream connection aborts its request there
-                work.cancel()
+        (await race_client(work, receive)).cancel()
+        if not work.done():  # the client left: closing the upstream connection aborts its request there
+            work.cancel()
         if work.done() and not work.cancelled():
             work.result()
 
@@ -194,25 +188,19 @@ class FrontApp:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         # A same-host client asking a lease of its own (where the server offers them) or no
         # mapping here: the engine process answers it itself.
-        client_lease = self.settings.shm_lease and LEASE_MEDIA_TYPE in headers.get("accept", "")
+        client_lease = self.settings.shm_lease and accepts_media(headers.get("accept"), LEASE_MEDIA_TYPE)
         arena = None if client_lease else await self._arena()
         if arena is None:
             return await self._relay(scope, receive, send, body)
         # identity: were the answer a body after all (the engine process did not know this
         # worker's session), it is relayed as read, with no Content-Encoding to mislabel.
         forward = {"content-type": "application/json", "accept": LEASE_MEDIA_TYPE, "accept-encoding": "identity",
-                   "authorization": f"Bearer {self.token}", SESSION_HEADER: arena.session}
+                   **self.auth, SESSION_HEADER: arena.session}
         if rid:
             forward["x-request-id"] = rid
         exchange = forward[EXCHANGE_HEADER] = secrets.token_hex(16)
         work = asyncio.ensure_future(self.client.post("/hidden_states", content=body, headers=forward))
-        gone = asyncio.ensure_future(_client_gone(receive))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            work.cancel()
-            gone.cancel()
-            raise
+        gone = await race_client(work, receive)
         if not work.done():
             # The client left. The exchange is never cut short: once the engine process has
             # written a lease answer it counts it delivered, and only this worker can end that
@@ -236,7 +224,7 @@ class FrontApp:
 
     async def _abort(self, exchange: str, work: asyncio.Future) -> None:
         try:
-            await self.client.delete(f"/exchanges/{exchange}", headers={"authorization": f"Bearer {self.token}"})
+            await self.client.delete(f"/exchanges/{exchange}", headers=self.auth)
         except httpx.HTTPError as exc:
             log.warning("abort of a request whose client left failed: %s", exc)
         try:
@@ -293,7 +281,7 @@ class FrontApp:
     async def _release(self, lease_id: str, report: SendReport) -> None:
         try:
             r = await self.client.delete(f"/leases/{lease_id}", headers={
-                "authorization": f"Bearer {self.token}", SENT_HEADER: report.header()})
+                **self.auth, SENT_HEADER: report.header()})
             if r.status_code != 204:
                 log.warning("release of worker lease %s answered %d", lease_id[:8], r.status_code)
         except httpx.HTTPError as exc:  # the lease ends with this worker's arena session anyway
@@ -310,7 +298,7 @@ class FrontApp:
                 return self.arena
 
             try:
-                r = await self.client.get("/info", headers={"authorization": f"Bearer {self.token}"})
+                r = await self.client.get("/info", headers=self.auth)
                 if r.status_code != 200:
                     return None  # loading: the engine process answers the request itself (503)
                 self.arena = await asyncio.to_thread(attach, r.json().get("shm_lease"), self.token)
@@ -375,7 +363,7 @@ def main() -> int:
                         format=f"%(asctime)s %(levelname)s %(name)s[worker {cfg['index']}]: %(message)s")
     metrics = Metrics()  # the guard's own counters; the engine process keeps the served ones
     gate = AdmissionGate(settings.max_inflight, settings.max_queued_tokens, metrics)
-    app = GuardMiddleware(FrontApp(settings, cfg["upstream"], cfg["token"], cfg["threads"]),
+    app = GuardMiddleware(HttpWorkerApp(settings, cfg["upstream"], cfg["token"], cfg["threads"]),
                           settings=settings, gate=gate, metrics=metrics)
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), timeout_keep_alive=30,
                             timeout_graceful_shutdown=5, lifespan="on", http=protocol_for(settings, metrics))

@@ -22,7 +22,8 @@ from hsx import bf16split
 from hsx.wire import TensorSpec, decode, encode_header
 from hsx_client.api import _finish_body
 from hsx_service.body.compress import CompressPool, _in_order, stream_bf16split
-from hsx_service.body.response import Body, Stats, choose_coding, stream_zstd
+from hsx_service.body.negotiate import choose_coding
+from hsx_service.body.response import Body, Stats, stream_zstd
 
 
 def _u16(t: torch.Tensor) -> bytes:

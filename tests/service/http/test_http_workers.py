@@ -5,7 +5,7 @@ send the body from their own read-only mapping of the arena and release the leas
 a report (lease.SendReport) that the engine process records in its metrics.
 
 Units first (no engine): the default worker count, the release report's header, the
-public socket, the body a worker rebuilds from a lease answer, and a worker app (FrontApp)
+public socket, the body a worker rebuilds from a lease answer, and a worker app (HttpWorkerApp)
 in front of a fake engine process: the body it sends and the report it releases with, and
 a client leaving as the lease answer arrives (the worker releases that lease). Then one real
 `hsx serve --http-workers 2` for the module: bodies byte-identical to the single-process
@@ -35,7 +35,7 @@ from hsx import bf16split, wire
 from hsx.wire import TensorSpec, encode_header
 from hsx_service.http import http_workers
 from hsx_service.http.errors import StartupError
-from hsx_service.http.http_worker import FrontApp, _rebuild
+from hsx_service.http.http_worker import HttpWorkerApp, _rebuild
 from hsx.protocol.lease import SendReport
 from hsx_service.settings import ServiceSettings
 
@@ -214,7 +214,7 @@ class FakeEngine:
 
 
 class MappedArena(FakeArena):
-    """FakeArena as FrontApp holds it: with the arena's id and the worker's session."""
+    """FakeArena as HttpWorkerApp holds it: with the arena's id and the worker's session."""
 
     arena_id = "cd" * 16
     session = "ef" * 16
@@ -225,11 +225,11 @@ class MappedArena(FakeArena):
 
 @asynccontextmanager
 async def _worker(answer: bytes, arena: FakeArena):
-    """A FakeEngine answering `answer` and a FrontApp (front.py) in front of it, through
+    """A FakeEngine answering `answer` and a HttpWorkerApp (front.py) in front of it, through
     its lifespan, its arena already mapped: (engine, app)."""
     with tempfile.TemporaryDirectory(prefix="hsx-http-worker-") as tmp:  # short: a Unix socket path
         async with FakeEngine(os.path.join(tmp, "engine.sock"), answer) as engine:
-            app = FrontApp(ServiceSettings(), engine.path, "worker-token", threads=1)
+            app = HttpWorkerApp(ServiceSettings(), engine.path, "worker-token", threads=1)
             inbox: asyncio.Queue = asyncio.Queue()
             outbox: asyncio.Queue = asyncio.Queue()
             lifespan = asyncio.ensure_future(app({"type": "lifespan"}, inbox.get, outbox.put))
@@ -243,7 +243,7 @@ async def _worker(answer: bytes, arena: FakeArena):
                 await asyncio.wait_for(lifespan, 10)
 
 
-async def _call(app: FrontApp, client_leaves: asyncio.Event) -> list[dict]:
+async def _call(app: HttpWorkerApp, client_leaves: asyncio.Event) -> list[dict]:
     """POST /hidden_states (identity) to the worker app; the client disconnects when
     `client_leaves` is set. Returns the ASGI messages the worker sent."""
     scope = {"type": "http", "method": "POST", "path": "/hidden_states", "query_string": b"",

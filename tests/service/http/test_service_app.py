@@ -19,7 +19,8 @@ from prometheus_client import generate_latest
 
 from hsx import wire
 from hsx_tools.server_process import MetricValues
-from hsx_service.http.app import ServerState, create_app
+from hsx_service.http.app import create_app
+from hsx_service.http.state import AppState
 from hsx_service.engine.arena import Allocator, SharedArena
 from hsx_service.engine.prefill import ModelFacts
 from hsx_service.http.errors import EngineFailure
@@ -34,7 +35,7 @@ H = 8
 
 
 class StandInEngine:
-    """What HiddenStatesService needs of hsx_service.engine.prefill.Extractor, without vLLM:
+    """What HiddenStatesService needs of hsx_service.engine.prefill.PrefillEngine, without vLLM:
     `extract` writes a known pattern into the reserved range. `hold` makes requests
     wait inside the engine; `fail_after_hand_over` imitates a failure while the worker
     may still write (the range is freed only on `notice`)."""
@@ -57,9 +58,9 @@ class StandInEngine:
         self.entered = asyncio.Event()
 
     def reserve(self, num_tokens, num_layers):
-        from hsx_service.engine.prefill import Extractor
+        from hsx_service.engine.prefill import PrefillEngine
 
-        return Extractor.reserve(self, num_tokens, num_layers)  # the real one: errors included
+        return PrefillEngine.reserve(self, num_tokens, num_layers)  # the real one: errors included
 
     def bytes_for(self, num_tokens, num_layers):
         return num_tokens * num_layers * H * 4
@@ -116,7 +117,7 @@ LEASE = {"Accept": wire.LEASE_MEDIA_TYPE, "X-Hsx-Lease-Session": SESSION}
 def make_app(arena, *, serving=True, **settings):
     settings = ServiceSettings(**{"arena_bytes": arena.size, "shm_lease": True, **settings})
     engine = StandInEngine(arena)
-    st = ServerState(settings=settings, extractor=engine)
+    st = AppState(settings=settings, prefill=engine)
     if serving:
         st.service = HiddenStatesService(settings, engine, StandInTokenizer(), st.metrics, st.gate)
         st.arena_socket = StandInSessions(SESSION, "session-b")
@@ -223,7 +224,7 @@ async def test_while_loading_every_route_but_the_probes_answers_503_counted(aren
 
 async def test_the_range_is_freed_by_whoever_owns_it(arena):
     app, st, engine = make_app(arena)
-    used = lambda: st.extractor.allocator.used  # noqa: E731
+    used = lambda: st.prefill.allocator.used  # noqa: E731
     async with client(app) as c:
         r = await c.post("/hidden_states", json={"input_ids": [5, 6, 7]})
         d = wire.decode(r.content)
@@ -278,13 +279,13 @@ async def test_expired_and_shutdown_leases_free_their_ranges(arena):
         for _ in range(2):
             r = await c.post("/hidden_states", json={"input_ids": [1]}, headers=LEASE)
             assert r.status_code == 200
-        assert st.extractor.allocator.used == 2 * 4096
+        assert st.prefill.allocator.used == 2 * 4096
         st.service.leases.end_all()  # what the lifespan does at shutdown
-        assert st.extractor.allocator.used == 0
+        assert st.prefill.allocator.used == 0
         r = await c.post("/hidden_states", json={"input_ids": [1]}, headers=LEASE)
         lease_id = json.loads(wire.parse_header(r.content)[0]["__metadata__"]["lease"])["id"]
         await asyncio.sleep(0.4)
-        assert st.extractor.allocator.used == 0
+        assert st.prefill.allocator.used == 0
         assert (await c.delete(f"/leases/{lease_id}")).status_code == 410
     assert metrics(st).get("hsx_leases_total", outcome="expired") == 3
 
@@ -295,7 +296,7 @@ async def test_a_lease_needs_a_live_session_and_a_session_s_leases_are_capped(ar
     refused 503 'memory full'. Now: without a live session, an HTTP body; within one, at
     most --lease-max-per-session leases, and client leases hold at most half the arena."""
     app, st, _ = make_app(arena, lease_max_per_session=3)
-    used = lambda: st.extractor.allocator.used  # noqa: E731
+    used = lambda: st.prefill.allocator.used  # noqa: E731
     ctype = lambda r: r.headers["content-type"]  # noqa: E731
     async with client(app) as c:
         for session in (None, "made-up"):
