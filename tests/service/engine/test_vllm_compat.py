@@ -102,7 +102,7 @@ def test_hybrids_verified_per_backend_and_release():
 
 
 def test_check_hybrid_refuses_unverified_unless_allowed(monkeypatch):
-    from hsx_service.engine.prefill import check_hybrid
+    from hsx_service.engine.config import check_hybrid
     from hsx_service.http.errors import StartupError
     from hsx_service.settings import ServiceSettings
 

@@ -187,7 +187,7 @@ def test_stale_notify_sockets_of_dead_servers_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from hsx_service.engine.prefill import remove_stale_notify_sockets
+    from hsx_service.engine.notices import remove_stale_notify_sockets
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = tmp_path / f"hsx-notify-{dead.stdout.strip()}-abcd1234.sock"
