@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 
 from hsx import lifeline
+from hsx.host import usable_cores
 
 _T0 = float(os.environ.get("HSX_BENCH_T0") or time.time())  # children log on the parent's clock
 REPO = Path(__file__).resolve().parents[2]
@@ -171,7 +172,7 @@ def versions_light() -> dict[str, Any]:
 
 
 def hardware() -> dict[str, Any]:
-    hw: dict[str, Any] = {"cpu_count": os.cpu_count(), "machine": platform.machine(), "platform": platform.platform()}
+    hw: dict[str, Any] = {"cpu_count": os.cpu_count(), "usable_cores": usable_cores(), "machine": platform.machine(), "platform": platform.platform()}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

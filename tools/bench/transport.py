@@ -155,13 +155,15 @@ def _start_server(sizes: list[int], encodings: list[str]):
 
 
 def _hardware() -> dict[str, Any]:
+    from hsx.host import usable_cores
+
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(),
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "usable_cores": usable_cores(), "python": platform.python_version(),
             "load_avg_at_start": os.getloadavg()}
 
 
