@@ -19,6 +19,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import tomllib
 import sys
 from pathlib import Path
 
@@ -170,7 +171,9 @@ def test_dockerfile_installs_hsx_without_reinstalling_vllm(dockerfile):
     assert "--constraint" in runs or " -c " in runs
     copied = [args.split()[:-1] for word, args in dockerfile if word == "COPY"]
     sources = {s.rstrip("/") for srcs in copied for s in srcs if not s.startswith("--")}
-    for package_dir in ("hsx", "service", "client"):
+    package_dirs = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    assert {"hsx", "service", "client", "tools"} <= package_dirs
+    for package_dir in package_dirs:  # every installed package, `hsx` (hsx_tools.cli) included
         assert package_dir in sources, f"{package_dir}/ is not copied into the image"
 
 
