@@ -19,8 +19,8 @@ import re
 import shlex
 import shutil
 import subprocess
-import tomllib
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
