@@ -36,6 +36,7 @@ COPY pyproject.toml README.md LICENSE ./
 COPY hsx ./hsx
 COPY service ./service
 COPY client ./client
+COPY tools ./tools
 
 # Install hsx with the server extra on top of the image's vLLM. Every package already in
 # the image (vllm, torch, transformers, ...) is pinned by a constraints file made from the

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hsx.bench.common import hardware
+from hsx_tools.bench.common import hardware
 from hsx_client import store
 
 

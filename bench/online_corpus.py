@@ -35,14 +35,14 @@ def _disk(path: Path) -> int:
 
 def _extract(url: str, out: Path, args: list[str]) -> float:
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "hsx.cli", "extract", "--server", url, "--output", str(out), "--quiet",
+    subprocess.run([sys.executable, "-m", "hsx_tools.cli", "extract", "--server", url, "--output", str(out), "--quiet",
                     *args], check=True)
     return time.perf_counter() - t
 
 
 def phase_seconds(url: str) -> dict[str, float]:
     """The server's own time per request phase so far (hsx_phase_seconds sums)."""
-    from hsx.server_process import read_metrics
+    from hsx_tools.server_process import read_metrics
 
     return read_metrics(url, timeout=30).by_label("hsx_phase_seconds_sum", "phase")
 
@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the JSON result here")
     a = p.parse_args(argv)
 
-    from hsx.bench.common import child_env, ensure_model, ensure_packages, hardware, log, model_facts
+    from hsx_tools.bench.common import child_env, ensure_model, ensure_packages, hardware, log, model_facts
     from hsx.layers import default_layers
-    from hsx.server_process import ServerProcess
+    from hsx_tools.server_process import ServerProcess
 
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="hsx-online-")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)

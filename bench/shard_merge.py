@@ -25,12 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from hsx.bench.common import child_env, hardware
-from hsx.server_process import ServerProcess as Server
+from hsx_tools.bench.common import child_env, hardware
+from hsx_tools.server_process import ServerProcess as Server
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT.parent / "shared" / "fixtures"
-HSX = [sys.executable, "-m", "hsx.cli"]
+HSX = [sys.executable, "-m", "hsx_tools.cli"]
 LAYERS = "1,2,4,5"
 
 

@@ -2,7 +2,7 @@
 client/zstd_stream.py) against received whole and then decoded in one step (before), in
 one process, against one server process.
 
-The server is uvicorn with hsx serve's own body coder (hsx_service.body.encode_body: one
+The server is uvicorn with hsx serve's own body coder (hsx_service.body.encode.encode_body: one
 zstd frame compressed in 4 MiB steps on its compression pool, sent as each step ends), so
 a body arrives at the pace a real server compresses it. Per request: the time from the
 request to the decoded body, and what is left after the last byte (the decode that is not
@@ -41,9 +41,9 @@ def _serve(port: int, mb: int, threads: int, frame_threads: int) -> None:
     import uvicorn
 
     from hsx.wire import TensorSpec
-    from hsx_service.body import encode_body
-    from hsx_service.compress import CompressPool
-    from hsx_service.response import Stats, choose_coding
+    from hsx_service.body.encode import encode_body
+    from hsx_service.body.compress import CompressPool
+    from hsx_service.body.response import Stats, choose_coding
 
     tokens, states = _states(mb)
     specs = [TensorSpec("hidden_states", "BF16", (tokens, LAYERS, HIDDEN))]
@@ -152,7 +152,7 @@ def main() -> int:
               f"{result[name]['after_last_byte_s']:.3f} s")
     result["request_ratio"] = round(result["streamed"]["request_s"] / result["whole_then_decode"]["request_s"], 3)
     print(f"streamed / whole-then-decode, time per request: {result['request_ratio']:.3f}")
-    from hsx.bench.common import hardware
+    from hsx_tools.bench.common import hardware
 
     result["hardware"] = hardware()
     if args.out:

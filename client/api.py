@@ -243,14 +243,11 @@ class HsxClient:
     async def final_norm(self) -> Any:
         """`GET /final_norm` -> `hsx_client.postnorm.FinalNorm(weight, eps, style)`."""
         body = await self._pool.with_retries(lambda s, rid: self._get_bytes(s, "/final_norm", rid), None)
-        import safetensors.numpy
-
-        header, _ = wire.parse_header(body)
-        meta = header.get("__metadata__", {}) or {}
+        from hsx.protocol import final_norm
         from hsx_client.postnorm import FinalNorm  # torch: imported when first needed
 
-        weight = safetensors.numpy.load(body)["weight"].astype("float32", copy=False)
-        return FinalNorm(weight=weight, eps=float(meta.get("eps", "1e-6")), style=meta.get("style", "rms"))
+        norm = final_norm.decode(body)
+        return FinalNorm(weight=norm.weight, eps=norm.eps, style=norm.style)
 
     async def hidden_states_response(
         self, body: dict[str, Any], *, request_id: str | None = None, lease_ok: bool = False

@@ -24,7 +24,7 @@ from hsx import dtypes
 
 FORMAT = "hsx-hidden-states/1"
 MEDIA_TYPE = "application/x-safetensors"
-# Same-host transfer (service/lease.py): the same file without the hidden_states bytes;
+# Same-host transfer (service/engine/lease.py): the same file without the hidden_states bytes;
 # `__metadata__["lease"]` (JSON) says where they lie in the server's shared arena:
 # {"id", "arena_id", "offset", "nbytes", "dtype", "shape", "expires_in"}.
 LEASE_MEDIA_TYPE = "application/vnd.hsx.lease+safetensors"

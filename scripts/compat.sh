@@ -25,5 +25,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then  # else installed by this 
 fi
 python -c "import vllm, sys; v = vllm.__version__; print('vllm', v, 'in', sys.prefix); assert v == '$version', v"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec python -m pytest -q -ra -m compat tests/test_service_correctness.py tests/test_service_hardening.py \
-  tests/test_service_startup.py tests/test_parallel.py tests/test_model_families.py "$@"
+exec python -m pytest -q -ra -m compat tests/service/test_service_correctness.py tests/service/http/test_service_hardening.py \
+  tests/service/test_service_startup.py tests/service/engine/test_parallel.py tests/service/engine/test_model_families.py "$@"

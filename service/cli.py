@@ -15,14 +15,14 @@ import os
 import shlex
 import sys
 
-from hsx_service.errors import StartupError
+from hsx_service.http.errors import StartupError
 from hsx_service.settings import FLAG_NAMES, ServiceSettings, env_name
 
 
 def _vllm_parser():
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from hsx_service.vllm_compat import flexible_parser
+    from hsx_service.engine.vllm_compat import flexible_parser
 
     parser = flexible_parser()(
         prog="hsx serve",
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         # The port first, before vLLM is imported: one in use is refused in a second.
         address = early_address(shlex.split(os.environ.get("HSX_ENGINE_ARGS", "")) + list(argv))
         if address is not None:
-            from hsx_service.fronts import Listener
+            from hsx_service.http.http_workers import Listener
 
             listener = Listener(*address)
         settings, engine_args = parse(argv)

@@ -4,7 +4,7 @@
       0. the public port is bound first (service/cli.py binds it before vLLM is even
          imported): a port in use is refused with exit 2 in about a second; from here on
          every process this one starts dies with it (hsx/lifeline.py), even on SIGKILL;
-      1. Extractor.prepare(): arena, notice channel, vLLM config; every check that can
+      1. PrefillEngine.prepare(): arena, notice channel, vLLM config; every check that can
          refuse runs here, before the port is served (exit 2 with the reason);
       2. uvicorn serves the app at once (/health 200, /ready 503 "loading") while the
          lifespan starts vLLM in the background, loads the tokenizer and the final norm,
@@ -43,15 +43,16 @@ import uvicorn
 from fastapi import FastAPI
 
 from hsx import lifeline
-from hsx_service.app import ServerState, create_app
-from hsx_service.connections import protocol_for
-from hsx_service.engine import Extractor
-from hsx_service import vllm_compat
-from hsx_service.errors import StartupError
-from hsx_service.fronts import HttpWorkers, Listener, resolve_count
-from hsx_service.lease import ArenaSocket
-from hsx_service.metrics import sample_loop_lag
-from hsx_service.norm import load_final_norm
+from hsx_service.http.app import create_app
+from hsx_service.http.state import AppState
+from hsx_service.http.connections import protocol_for
+from hsx_service.engine.prefill import PrefillEngine
+from hsx_service.engine import vllm_compat
+from hsx_service.http.errors import StartupError
+from hsx_service.http.http_workers import HttpWorkers, Listener, resolve_count
+from hsx_service.engine.lease import ArenaSocket
+from hsx_service.http.metrics import sample_loop_lag
+from hsx_service.engine.norm import load_final_norm
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 from hsx_service.tokenize_pool import TokenizerPool
@@ -63,7 +64,7 @@ WATCH_INTERVAL = 0.5
 DRAIN_POLL = 0.05
 CUT_OFF_GRACE = 2.0  # after --shutdown-timeout: seconds for the cut-off requests' 503s and open bodies
 # The process is gone this many seconds after --shutdown-timeout, at the latest (the
-# manifests' grace periods cover the sum: tests/test_stop_budget.py).
+# manifests' grace periods cover the sum: tests/tools/test_stop_budget.py).
 STOP_MARGIN = 10.0
 FORCE_RESERVE = 1.5  # of STOP_MARGIN: for killing the engine's processes and exiting
 
@@ -79,24 +80,24 @@ def serve(settings: ServiceSettings, engine_args: Any, listener: Listener | None
     except StartupError as exc:
         print(f"hsx serve: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    extractor = Extractor(settings, engine_args)
+    prefill = PrefillEngine(settings, engine_args)
     try:
-        extractor.prepare()
+        prefill.prepare()
     except StartupError as exc:
-        extractor.shutdown()
+        prefill.shutdown()
         print(f"hsx serve: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    state = ServerState(settings=settings, extractor=extractor)
+    state = AppState(settings=settings, prefill=prefill)
     try:
         count = resolve_count(settings.http_workers, vllm_compat.is_cpu_backend())
         workers = HttpWorkers(count, settings, sock) if count else None
     except StartupError as exc:
-        extractor.shutdown()
+        prefill.shutdown()
         print(f"hsx serve: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     if workers is not None:
         state.http_workers = count
-        state.front_token = workers.token
+        state.worker_token = workers.token
         state.metrics.http_workers.set_function(lambda: workers.alive)
     code = Lifecycle(state, workers, sock).run()
     if state.startup_error:  # the cause as the last line, not a hundred lines above
@@ -124,7 +125,7 @@ def start_failure(exc: BaseException) -> str:
 
 
 class Lifecycle:
-    def __init__(self, state: ServerState, workers: HttpWorkers | None = None,
+    def __init__(self, state: AppState, workers: HttpWorkers | None = None,
                  sock: socket.socket | None = None) -> None:
         self.state = state
         self.workers = workers  # --http-workers: they serve the port, this process their Unix socket
@@ -190,17 +191,17 @@ class Lifecycle:
             if st.tokenizer_pool is not None:
                 await asyncio.to_thread(st.tokenizer_pool.close)
             t2 = time.monotonic()
-            st.extractor.shutdown()
+            st.prefill.shutdown()
             log.info("stopped: arena socket and leases %.1fs, tokenizer processes %.1fs, engine %.1fs",
                      t1 - t0, t2 - t1, time.monotonic() - t2)
 
     async def start_engine(self) -> None:
         st = self.state
         try:
-            await st.extractor.start()
-            st.metrics.kv_cache_usage.set_function(st.extractor.stats.kv_cache_usage)
-            st.metrics.kv_cache_usage_peak.set_function(st.extractor.stats.kv_cache_usage_peak)
-            f = st.extractor.facts
+            await st.prefill.start()
+            st.metrics.kv_cache_usage.set_function(st.prefill.stats.kv_cache_usage)
+            st.metrics.kv_cache_usage_peak.set_function(st.prefill.stats.kv_cache_usage_peak)
+            f = st.prefill.facts
             template = None
             if st.settings.chat_template:
                 with open(st.settings.chat_template) as fh:
@@ -213,19 +214,19 @@ class Lifecycle:
             )
             await tokenizer.ready()
             try:
-                st.final_norm = await asyncio.to_thread(load_final_norm, f.model, f.revision, st.extractor.text_config)
+                st.final_norm = await asyncio.to_thread(load_final_norm, f.model, f.revision, st.prefill.text_config)
             except Exception as exc:  # served anyway; /final_norm explains
                 st.final_norm_error = str(exc)
                 log.warning("final norm unavailable: %s", exc)
-            service = HiddenStatesService(st.settings, st.extractor, tokenizer, st.metrics, st.gate, st.http_workers)
-            await st.extractor.self_test()
+            service = HiddenStatesService(st.settings, st.prefill, tokenizer, st.metrics, st.gate, st.http_workers)
+            await st.prefill.self_test()
             if service.leases is not None:
-                arena = st.extractor.arena
+                arena = st.prefill.arena
                 try:
                     st.arena_socket = ArenaSocket(
                         arena.ro_fd, arena.arena_id, arena.size, st.settings.accepted_keys,
                         lease_keys=st.settings.lease_api_key, on_session_end=service.leases.end_session,
-                        internal_key=st.front_token, clients=st.settings.shm_lease,
+                        internal_key=st.worker_token, clients=st.settings.shm_lease,
                     ).start()
                     if st.settings.api_key and not st.settings.lease_api_key:
                         log.info("same-host leases: no key is marked for them (--lease-api-key); HTTP bodies only")
@@ -242,7 +243,7 @@ class Lifecycle:
             self.fail(st.startup_error)
 
     async def watch_engine(self) -> None:
-        extractor = self.state.extractor
+        prefill = self.state.prefill
         while True:
             await asyncio.sleep(WATCH_INTERVAL)
             if self.workers is not None:
@@ -250,10 +251,10 @@ class Lifecycle:
                 if reason:
                     self.fail(reason)
                     return
-            if extractor.dead:
+            if prefill.dead:
                 log.error("the vLLM engine died; exiting so the orchestrator restarts this server")
-                if extractor.notices is not None:
-                    extractor.notices.fail_all("engine died")
+                if prefill.notices is not None:
+                    prefill.notices.fail_all("engine died")
                 self.fail("engine died")
                 return
 

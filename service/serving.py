@@ -20,17 +20,18 @@ import numpy as np
 
 from hsx import __version__ as hsx_version
 from hsx.dtypes import st_code
+from hsx.protocol.lease import SendReport
 from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, TensorSpec, encode_header
-from hsx_service.admission import AdmissionGate, Ticket
-from hsx_service.arena import Reservation
-from hsx_service.engine import Extractor
-from hsx_service.errors import BadInput, NoSupervisedTokens, TooLarge
-from hsx_service.body import encode_body
-from hsx_service.lease import Leases, SendReport
-from hsx_service.metrics import Metrics
-from hsx_service.protocol import HiddenStatesRequest
-from hsx_service.compress import CompressPool, default_threads
-from hsx_service.response import Body, Stats, stream_identity
+from hsx_service.http.admission import AdmissionGate, Ticket
+from hsx_service.engine.arena import Reservation
+from hsx_service.engine.prefill import PrefillEngine
+from hsx_service.http.errors import BadInput, NoSupervisedTokens, TooLarge
+from hsx_service.body.encode import encode_body
+from hsx_service.engine.lease import Leases
+from hsx_service.http.metrics import Metrics
+from hsx_service.http.schema import HiddenStatesRequest
+from hsx_service.body.compress import CompressPool, default_threads
+from hsx_service.body.response import Body, Stats, stream_identity
 from hsx_service.settings import ServiceSettings
 from hsx_service.tokenize import Encoded
 from hsx_service.tokenize_pool import TokenizerPool
@@ -60,15 +61,27 @@ class Reply:
 
 
 class HiddenStatesService:
-    def __init__(self, settings: ServiceSettings, extractor: Extractor, tokenizer: TokenizerPool, metrics: Metrics,
+    def __init__(self, settings: ServiceSettings, prefill: PrefillEngine, tokenizer: TokenizerPool, metrics: Metrics,
                  gate: AdmissionGate, http_workers: int = 0):
         self.settings = settings
-        self.extractor = extractor
+        self.prefill = prefill
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.gate = gate
-        self.facts = extractor.facts
+        self.facts = prefill.facts
         assert self.facts is not None
+        f = self.facts
+        # The model as every answer names it (/info, /tokenize, each body's metadata), made once.
+        self.card = {
+            "model": f.served_model_name,
+            "model_path": f.model,
+            "model_revision": f.revision or "",
+            "num_hidden_layers": f.num_hidden_layers,
+            "hidden_size": f.hidden_size,
+            "dtype": f.dtype,
+            "vllm_version": f.vllm_version,
+            "hsx_version": hsx_version,
+        }
         self.max_tokens = min(
             settings.max_tokens_per_request or self.facts.max_model_len - 1, self.facts.max_model_len - 1
         )
@@ -78,15 +91,15 @@ class HiddenStatesService:
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
                                      settings.zstd_level, frame_threads=settings.zstd_frame_threads)
         self.leases: Leases | None = None
-        # HTTP workers (front.py) take their states under leases of their own, so the
+        # HTTP workers (http_worker.py) take their states under leases of their own, so the
         # lease table exists with them even where clients get none (--shm-lease false).
         if settings.shm_lease or http_workers:
             self.leases = Leases(settings.lease_timeout, on_end=lambda outcome: metrics.leases.labels(outcome).inc(),
                                  per_session=settings.lease_max_per_session,
-                                 arena_bytes=extractor.allocator.size if extractor.allocator is not None else None)
-        gate.engine_dead = lambda: extractor.dead
-        allocator = extractor.allocator
-        metrics.engine_running.set_function(lambda: extractor.engine_running)
+                                 arena_bytes=prefill.allocator.size if prefill.allocator is not None else None)
+        gate.engine_dead = lambda: prefill.dead
+        allocator = prefill.allocator
+        metrics.engine_running.set_function(lambda: prefill.engine_running)
         metrics.leases_live.set_function(lambda: len(self.leases) if self.leases is not None else 0)
         metrics.arena_used.set_function(lambda: allocator.used if allocator is not None else 0)
 
@@ -177,15 +190,15 @@ class HiddenStatesService:
         table of an online-training corpus costs no GPU pass (`hsx extract --states none`).
         The guard's gate door refuses it while draining, as it does /hidden_states."""
         prep = await self.prepare(req)
-        enc, f = prep.encoded, self.facts
+        enc = prep.encoded
         return {
             "token_ids": enc.token_ids,
             "loss_mask": enc.loss_mask,
             "loss_mask_source": enc.mask_source,
             "layer_ids": prep.layer_ids,
-            "model": f.served_model_name,
-            "model_revision": f.revision or "",
-            "chat_template_sha256": (self.tokenizer.template_sha256 or "") if req.messages and not req.chat_template else "",
+            "model": self.card["model"],
+            "model_revision": self.card["model_revision"],
+            "chat_template_sha256": self.template_sha256(req),
             "request_id": request_id,
             "caller_id": req.id or "",
             "num_input_tokens": prep.input_tokens,
@@ -193,12 +206,12 @@ class HiddenStatesService:
 
     # ------------------------------------------------------------------- the request
     async def run(self, req: HiddenStatesRequest, request_id: str, ticket: Ticket, coding: str,
-                  lease: bool = False, session: str | None = None, front: bool = False) -> Reply:
+                  lease: bool = False, session: str | None = None, http_worker: bool = False) -> Reply:
         """Prepare, admit (`ticket`), prefill; raises ServiceError on refusal. `lease`:
         answer with a lease on the arena range instead of the states' bytes (lease.py);
-        the range then lives until the lease is released or expires. `front`: the lease is
-        an HTTP worker's (front.py), which sends the body itself. `coding`: identity,
-        zstd or bf16split (response.choose_coding)."""
+        the range then lives until the lease is released or expires. `http_worker`: the lease is
+        an HTTP worker's (http_worker.py), which sends the body itself. `coding`: identity,
+        zstd or bf16split (negotiate.choose_coding)."""
         t_start = time.perf_counter()
         prep = await self.prepare(req)
         # Counted with tokenize, for requests that pass it (a refused input runs no phase).
@@ -207,10 +220,10 @@ class HiddenStatesService:
         self.metrics.phase.labels("tokenize").observe(time.perf_counter() - t_start)
         ids = prep.encoded.token_ids
         ticket.admit(len(ids))
-        reservation = self.extractor.reserve(len(ids), len(prep.layer_ids))
+        reservation = self.prefill.reserve(len(ids), len(prep.layer_ids))
         started = time.perf_counter()
         try:
-            timing = await self.extractor.extract(ids, prep.layer_index, reservation, request_id)
+            timing = await self.prefill.extract(ids, prep.layer_index, reservation, request_id)
         except asyncio.CancelledError:  # a hang-up or the drain's cut-off: the route counts it
             reservation.release()
             raise
@@ -220,23 +233,23 @@ class HiddenStatesService:
             raise
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
-        if lease and not front and self.leases is not None:
+        if lease and not http_worker and self.leases is not None:
             capped = self.leases.may_lease(session, reservation.extent.reserved)
             if capped is not None:  # this one comes as an HTTP body: nothing waits, nothing is pinned
                 self.metrics.leases.labels(f"refused_{capped}").inc()
                 lease = False
         return self._reply(req, prep, reservation, request_id, coding, lease and self.leases is not None, started,
-                           session, front)
+                           session, http_worker)
 
     def _reply(self, req: HiddenStatesRequest, prep: Prepared, reservation: Reservation, request_id: str,
-               coding: str, lease: bool, started: float, session: str | None = None, front: bool = False) -> Reply:
+               coding: str, lease: bool, started: float, session: str | None = None, http_worker: bool = False) -> Reply:
         t_send = time.perf_counter()
         f = self.facts
         ids = prep.encoded.token_ids
         n = len(ids)
         states = TensorSpec("hidden_states", st_code(f.dtype), (n, len(prep.layer_ids), f.hidden_size))
         specs = [states, TensorSpec("token_ids", "I64", (n,))]
-        parts: list = [self.extractor.arena.slice(reservation.extent), np.asarray(ids, dtype=np.int64).tobytes()]
+        parts: list = [self.prefill.arena.slice(reservation.extent), np.asarray(ids, dtype=np.int64).tobytes()]
         if prep.encoded.loss_mask is not None:
             specs.append(TensorSpec("loss_mask", "U8", (n,)))
             parts.append(np.asarray(prep.encoded.loss_mask, dtype=np.uint8).tobytes())
@@ -257,16 +270,16 @@ class HiddenStatesService:
         specs.pop(0)
         parts.pop(0)
         extent = reservation.extent
-        # An HTTP worker's lease (front.py) lasts until it has sent the body, however slow
+        # An HTTP worker's lease (http_worker.py) lasts until it has sent the body, however slow
         # its client; it reports what it sent when it releases the lease (its metrics are
         # recorded then). A same-host client's lease expires after --lease-timeout.
-        on_end = functools.partial(self._front_lease_ended, n, started) if front else None
-        lease_id = self.leases.grant(reservation.hand_over(), session, expires=not front, on_end=on_end)
+        on_end = functools.partial(self._http_worker_lease_ended, n, started) if http_worker else None
+        lease_id = self.leases.grant(reservation.hand_over(), session, expires=not http_worker, on_end=on_end)
         self.metrics.leases.labels("granted").inc()
         metadata["lease"] = json.dumps({
-            "id": lease_id, "arena_id": self.extractor.arena.arena_id, "offset": extent.offset,
+            "id": lease_id, "arena_id": self.prefill.arena.arena_id, "offset": extent.offset,
             "nbytes": extent.nbytes, "dtype": states.dtype, "shape": list(states.shape),
-            "expires_in": None if front else self.settings.lease_timeout,
+            "expires_in": None if http_worker else self.settings.lease_timeout,
         })
         body = Body([encode_header(specs, metadata), *parts])
         headers["Content-Type"] = LEASE_MEDIA_TYPE  # a few KB: never worth compressing
@@ -275,7 +288,7 @@ class HiddenStatesService:
         def close_lease() -> None:
             if not stats.complete:  # the client never got the lease: take the range back
                 self.leases.release(lease_id, "unsent")
-            if not front:
+            if not http_worker:
                 self._record(n, extent.nbytes, stats.wire, stats.complete, started, time.perf_counter() - t_send)
 
         return Reply(headers, stream_identity(body, stats), _once(close_lease))
@@ -292,7 +305,7 @@ class HiddenStatesService:
         if work_s is not None:
             self.metrics.phase.labels("encode_identity" if coding == "identity" else "compress").observe(work_s)
 
-    def _front_lease_ended(self, n: int, started: float, outcome: str, report: SendReport | None) -> None:
+    def _http_worker_lease_ended(self, n: int, started: float, outcome: str, report: SendReport | None) -> None:
         """An HTTP worker's lease ended: released with its report of the body it sent, or
         ended unsent / with the worker (`client_gone`): an aborted request."""
         if report is None:
@@ -301,25 +314,21 @@ class HiddenStatesService:
             self._record(n, report.raw, report.wire, report.complete and outcome == "released", started,
                          report.send_s, report.work_s, report.coding)
 
+    def template_sha256(self, req: HiddenStatesRequest) -> str:
+        """The server's chat template's hash when it rendered this input (a chat without a
+        template of its own), else ""."""
+        return (self.tokenizer.template_sha256 or "") if req.messages and not req.chat_template else ""
+
     def _metadata(self, req: HiddenStatesRequest, prep: Prepared, request_id: str) -> dict[str, str]:
-        f = self.facts
-        template = self.tokenizer.template_sha256 if req.messages and not req.chat_template else None
         return {
             "format": FORMAT,
-            "model": f.served_model_name,
-            "model_path": f.model,
-            "model_revision": f.revision or "",
+            **self.card,
             "layer_ids": json.dumps(prep.layer_ids),
-            "num_hidden_layers": f.num_hidden_layers,
-            "hidden_size": f.hidden_size,
-            "dtype": f.dtype,
             "last_layer_pre_norm": "true",
             "loss_mask_source": prep.encoded.mask_source,
-            "vllm_version": f.vllm_version,
-            "hsx_version": hsx_version,
             "request_id": request_id,
             "caller_id": req.id or "",
-            "chat_template_sha256": template or "",
+            "chat_template_sha256": self.template_sha256(req),
             "num_input_tokens": prep.input_tokens,
         }
 

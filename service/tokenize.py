@@ -25,7 +25,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from hsx_service.errors import BadInput
+from hsx_service.http.errors import BadInput
 
 PER_TURN_LIMIT = 64  # assistant turns the quadratic per-turn fallback may take
 PREFIX_CHARS_PER_TOKEN = 8  # first guess of the text a kept prefix of tokens needs

@@ -32,7 +32,7 @@ from pebble import ProcessExpired, ProcessPool
 
 from hsx import lifeline
 
-from hsx_service.errors import BadInput, Overloaded, ServiceError, TooLarge
+from hsx_service.http.errors import BadInput, Overloaded, ServiceError, TooLarge
 from hsx_service.tokenize import Encoded, Tokenizer
 
 log = logging.getLogger("hsx.tokenize")

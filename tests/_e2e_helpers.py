@@ -25,7 +25,7 @@ LAYERS = [1, 2, 4, 5]  # stories260K has N = 5 layers; 5 is the pre-norm last st
 HIDDEN = 64
 FP32_TOL = 1e-4
 TEMPLATE = TEMPLATES / "llama3.jinja"
-HSX = [sys.executable, "-m", "hsx.cli"]
+HSX = [sys.executable, "-m", "hsx_tools.cli"]
 
 
 # ----------------------------------------------------------------------------- servers

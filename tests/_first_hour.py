@@ -1,4 +1,4 @@
-"""Fakes for tests/test_first_hour.py and tests/test_one_line_refusals.py: a MockTransport
+"""Fakes for tests/tools/test_first_hour.py and tests/tools/test_one_line_refusals.py: a MockTransport
 server with the /info, truncation and require_supervised behaviour a test asks for, a fake
 format with the real EAGLE-3 pre-flight, and the checks that a refused run left no trace."""
 

@@ -1,4 +1,4 @@
-"""Real `hsx serve` subprocesses for the tests (hsx.server_process), paths of the shared
+"""Real `hsx serve` subprocesses for the tests (hsx_tools.server_process), paths of the shared
 fixtures, polling helpers, and the check that keeps the fast tier free of engines."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from hsx.server_process import MetricValues, free_port
-from hsx.server_process import ServerProcess as _ServerProcess
+from hsx_tools.server_process import MetricValues, free_port
+from hsx_tools.server_process import ServerProcess as _ServerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -36,7 +36,7 @@ def engine_env(**extra: str) -> dict[str, str]:
 
 def serve_command(*args: str) -> list[str]:
     """`hsx serve ARGS --port 0`: the command of a server expected to refuse ARGS at start."""
-    return [sys.executable, "-m", "hsx.cli", "serve", *args, "--port", "0"]
+    return [sys.executable, "-m", "hsx_tools.cli", "serve", *args, "--port", "0"]
 
 
 def serve_once(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

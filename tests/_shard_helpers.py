@@ -18,7 +18,7 @@ from hsx_client import extract as ex
 from hsx_client.plan import ShardSpec
 
 HIDDEN, VOCAB = 16, 64
-HSX = [sys.executable, "-m", "hsx.cli"]
+HSX = [sys.executable, "-m", "hsx_tools.cli"]
 
 
 class FakeHsx:

@@ -70,7 +70,7 @@ def log_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from hsx.tiny_model import make_tiny_llama
+    from hsx_tools.tiny_model import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama", num_layers=6, hidden_size=128)
 

@@ -28,7 +28,7 @@ import httpx
 import pytest
 import torch
 
-from hsx.server_process import read_metrics
+from hsx_tools.server_process import read_metrics
 
 from _e2e_helpers import (
     HSX,

@@ -2,7 +2,7 @@
 reasons, per-server requests of the fan-out alone, worker processes' counts added in,
 truncation with --states none, --quiet), the silent losses it now names (tools a chat
 template ignores, SpecForge samples supervised only on their last token) and the online
-trainer's CPU route. The same against a real server: tests/test_first_hour_e2e.py and
+trainer's CPU route. The same against a real server: tests/e2e/test_first_hour_e2e.py and
 tests/test_speculators_online.py."""
 
 from __future__ import annotations

@@ -79,8 +79,8 @@ async def test_a_declared_frame_is_decoded_into_one_buffer():
 async def test_the_servers_frame_single_or_multithreaded_decodes_as_it_arrives(frame_threads):
     """hsx serve's zstd body (response.stream_zstd, --zstd-frame-threads): one frame that
     declares its size, whatever the threads, decoded the fast way."""
-    from hsx_service.compress import CompressPool
-    from hsx_service.response import Body, Stats, stream_zstd
+    from hsx_service.body.compress import CompressPool
+    from hsx_service.body.response import Body, Stats, stream_zstd
 
     import numpy as np
 
@@ -104,7 +104,7 @@ async def test_the_servers_frame_single_or_multithreaded_decodes_as_it_arrives(f
 def test_frame_threads_default_follows_the_core_count():
     """--zstd-frame-threads unset: 2 zstd threads per body on hosts with >= 8 cores (measured
     on the 16-core H200 host), none on small ones (on the 2-core box they cost more)."""
-    from hsx_service.compress import CompressPool, default_frame_threads
+    from hsx_service.body.compress import CompressPool, default_frame_threads
     from hsx_service.settings import ServiceSettings
 
     assert [default_frame_threads(c) for c in (1, 2, 4, 7, 8, 16, 128)] == [0, 0, 0, 0, 2, 2, 2]

@@ -1,4 +1,4 @@
-# Fault injection for tests/test_service_hardening.py: on PYTHONPATH of one `hsx serve`
+# Fault injection for tests/service/http/test_service_hardening.py: on PYTHONPATH of one `hsx serve`
 # (and so of its vLLM engine and worker processes), a forward whose input holds token id
 # HSX_FAULT_TOKEN raises inside the model, as a real kernel failure would.
 import os

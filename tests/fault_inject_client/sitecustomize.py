@@ -1,4 +1,4 @@
-# Fault injection for tests/test_first_hour_e2e.py: on PYTHONPATH of one `hsx extract`, the
+# Fault injection for tests/e2e/test_first_hour_e2e.py: on PYTHONPATH of one `hsx extract`, the
 # process SIGKILLs itself the moment finalize's hsx_compaction.json is on disk (before
 # any sample is renamed): the worst moment for `hsx verify` (issue 11, failure 5).
 import os

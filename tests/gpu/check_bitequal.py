@@ -63,7 +63,7 @@ def vllm_own_path(model: str, dtype: str, layers: list[int], prompts: list[list[
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
     from vllm.inputs import TokensPrompt
 
-    from hsx.bench.engines import engine_kwargs
+    from hsx_tools.bench.engines import engine_kwargs
 
     kw = engine_kwargs(model, flags_for(model, dtype))
     states_dir = tempfile.mkdtemp(prefix="hsx-bitequal-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -75,7 +75,7 @@ def vllm_own_path(model: str, dtype: str, layers: list[int], prompts: list[list[
 
     if current_platform.is_cpu():  # the stock connector needs CUDA; hsx bench's CPU twin copies synchronously
         kw["kv_transfer_config"].update(kv_connector="CpuHiddenStatesConnector",
-                                        kv_connector_module_path="hsx.bench_cpu_connector")
+                                        kv_connector_module_path="hsx_tools.bench_cpu_connector")
     llm = LLM(**kw)
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     got = []

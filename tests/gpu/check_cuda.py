@@ -1,6 +1,6 @@
 """The service's correctness check on a CUDA machine (run by hand on the lent H200).
 
-Same checks as tests/test_service_correctness.py, against a real `hsx serve` with torch.compile
+Same checks as tests/service/test_service_correctness.py, against a real `hsx serve` with torch.compile
 and CUDA graphs on (vLLM's defaults): a random bf16 Llama (concurrent mixed lengths, a
 prompt longer than --max-num-batched-tokens, shared prefixes with prefix caching, same-host
 leases, requests hung up mid-flight), the trained stories260K with real chats through a real
@@ -209,7 +209,7 @@ def stop(srv: ServerProcess) -> None:
 
 
 def random_model_checks(a, work: Path) -> None:
-    from hsx.tiny_model import make_tiny_llama
+    from hsx_tools.tiny_model import make_tiny_llama
 
     model = make_tiny_llama(work / "rand-llama", num_layers=8, hidden_size=1024, intermediate_size=2816,
                             num_heads=8, num_kv_heads=4, vocab_size=32000, max_position_embeddings=4096,

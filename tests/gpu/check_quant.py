@@ -1,6 +1,6 @@
 """Quantized checkpoints through `hsx serve` on CUDA (run by hand on the lent H200; issue 27).
 
-For each family (the tiny Llama, and the tiny DeepSeek-V3 where hsx.tiny_model has that
+For each family (the tiny Llama, and the tiny DeepSeek-V3 where hsx_tools.tiny_model has that
 family) x each case:
   - `fp8-block`: DeepSeek-V3's block-FP8 format (`hsx quantize-tiny-model --scheme fp8-block`);
   - `w4a16`: compressed-tensors pack-quantized int4, group 128 (Kimi-K2's format): on Hopper
@@ -46,7 +46,7 @@ from _reference import per_layer_rel_err, reference_states  # noqa: E402
 from _server import ServerProcess, engine_env  # noqa: E402
 from check_cuda import fetch_all  # noqa: E402
 
-from hsx.tiny_quant import make_source, quantize_checkpoint  # noqa: E402
+from hsx_tools.tiny_quant import make_source, quantize_checkpoint  # noqa: E402
 from hsx.wire import decode  # noqa: E402
 
 CASES = ("fp8-block", "w4a16", "w4a16-marlin", "fp8-online")
@@ -61,7 +61,7 @@ NOT_KERNELS = re.compile(r"Initializing a V1|max model len|auxiliary layers|CPU 
 
 
 def families(wanted: list[str]) -> list[str]:
-    from hsx.tiny_model import FAMILIES
+    from hsx_tools.tiny_model import FAMILIES
 
     missing = [f for f in wanted if f not in FAMILIES]
     if missing:

@@ -18,7 +18,8 @@ Seen working end to end on CPU (2026-12-01, a random 6 x 256 Llama, 40 rows, 4 s
 Needs, beyond the vLLM kit (shared/gpu-kit/README.md) and the machine's image: the wheels
 `bash tests/gpu/online_wheels.sh` downloads into .whl/online (speculators, hs-connectors,
 datasets, multiprocess, loguru), installed there with
-`pip install --no-deps --target /tmp/site2 .whl/online/*.whl` and PYTHONPATH=$PWD:/tmp/site:/tmp/site2.
+`pip install --no-deps --target /tmp/site2 .whl/online/*.whl`, then `. tests/gpu/kit/env.sh` (the kit, and
+client/, service/, tools/ linked under their package names) and PYTHONPATH=$PYTHONPATH:/tmp/site2.
 datasets 5.1 wants pyarrow >= 24 and fsspec <= 2026.7.0: check the image's with `pip show`.
 
 The model is a random Llama 16 x 2048 (bench's --h200 shape, vocab 32000, bf16); the rows
@@ -143,8 +144,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out")
     a = p.parse_args(argv)
 
-    from hsx.bench.common import child_env, ensure_model, ensure_packages, hardware, log
-    from hsx.server_process import ServerProcess
+    from hsx_tools.bench.common import child_env, ensure_model, ensure_packages, hardware, log
+    from hsx_tools.server_process import ServerProcess
 
     work = Path(a.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -165,7 +166,7 @@ def main(argv: list[str]) -> int:
                  "total_seq_len": a.total_seq_len, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         server.wait_ready(1800)
-        hsx = [sys.executable, "-m", "hsx.cli", "extract", "--server", server.url, "--input", str(rows), "--quiet",
+        hsx = [sys.executable, "-m", "hsx_tools.cli", "extract", "--server", server.url, "--input", str(rows), "--quiet",
                "--format", "speculators", "--draft-vocab-size", str(a.draft_vocab_size)]
         kinds = {"online": (["--states", "none"], ["--hidden-states-backend", "hsx", "--hsx-servers", server.url]),
                  "offline": ([], []), "fp8": (["--dtype", "fp8"], ["--hidden-states-backend", "fp8"])}

@@ -23,13 +23,13 @@ out=${OUT:-/tmp/out}
 # corpus in /dev/shm, a 16 GiB arena.
 remote_bench=(--client-process --codec-sample 0 --workdir /tmp/hsxb --output-dir /dev/shm/hsxc
               --server-arg=--arena-bytes=17179869184)
-# The runner check_cuda expects: vLLM's CUDA default for this release (hsx_service.vllm_compat).
+# The runner check_cuda expects: vLLM's CUDA default for this release (hsx_service.engine.vllm_compat).
 # Diagnosis only: RUNNER=v1 makes vLLM >= 0.29 use its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0),
 # to tell an MRV2 problem from anything else in the same session.
 [ "${RUNNER:-}" = v1 ] && export VLLM_USE_V2_MODEL_RUNNER=0
 expected_runner() {
     if [ "${RUNNER:-}" = v1 ]; then echo v1; return; fi
-    python3 -c "from hsx_service import vllm_compat; print(vllm_compat.cuda_default_runner('$ver'))"
+    python3 -c "from hsx_service.engine import vllm_compat; print(vllm_compat.cuda_default_runner('$ver'))"
 }
 
 case $step in
@@ -89,7 +89,7 @@ extra)
     . tests/gpu/kit/env.sh
     models=()
     for fam in qwen3_moe qwen3_next; do  # hsx make-tiny-model --family (issue 12, item 4)
-        if python3 -m hsx.cli make-tiny-model "/tmp/tiny-$fam" --family "$fam" --dtype bfloat16 >/dev/null 2>&1; then
+        if python3 -m hsx_tools.cli make-tiny-model "/tmp/tiny-$fam" --family "$fam" --dtype bfloat16 >/dev/null 2>&1; then
             models+=(--extra-model "/tmp/tiny-$fam")
         else
             echo "session: this hsx's make-tiny-model has no --family $fam: skipped"
@@ -111,7 +111,7 @@ mla)
     # layer id 1..N against transformers fp32 (worst errors in the JSON).
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
-    python3 -m hsx.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 --layers 4 --heads 16 \
+    python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 --layers 4 --heads 16 \
         --dtype bfloat16 >/dev/null
     runner=$(expected_runner)
     python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" --extra-model /tmp/tiny-deepseek-v3 \
@@ -131,7 +131,7 @@ bitequal)
     # same flags and prompts: stories260K in fp32, the tiny DeepSeek-V3 (made by the mla step) in bf16.
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
-    [ -d /tmp/tiny-deepseek-v3 ] || python3 -m hsx.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 \
+    [ -d /tmp/tiny-deepseek-v3 ] || python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 \
         --layers 4 --heads 16 --dtype bfloat16 >/dev/null
     python3 tests/gpu/check_bitequal.py --model /tmp/gpufix/stories260K --dtype float32 \
         --json "$out/bitequal-stories-fp32-$ver.json" 2>&1 | tee "$out/bitequal-stories-$ver.log" || true
@@ -143,7 +143,7 @@ bench)
     . tests/gpu/kit/env.sh
     # Issue 12's preset on this release; every (c) coding against one server, the client in its
     # own process tree over TCP (issue 17's remote path, loopback standing in for the network).
-    python3 -m hsx.cli bench --h200 --modes a,c --transfer auto,http:none,http:bf16split,http:zstd "${remote_bench[@]}" \
+    python3 -m hsx_tools.cli bench --h200 --modes a,c --transfer auto,http:none,http:bf16split,http:zstd "${remote_bench[@]}" \
         --out "$out/bench-h200-$ver.json" 2>&1 | tee "$out/bench-h200-$ver.log"
     ;;
 bench17)
@@ -166,7 +166,7 @@ bench17)
         model=(--h200)
     fi
     tag=$shape-w$workers-h$http_workers-$ver
-    python3 -m hsx.cli bench "${model[@]}" --modes "${MODES:-a,c}" --transfer "${TRANSFER:-http:none,http:zstd}" \
+    python3 -m hsx_tools.cli bench "${model[@]}" --modes "${MODES:-a,c}" --transfer "${TRANSFER:-http:none,http:zstd}" \
         "${remote_bench[@]}" "${server[@]}" --workers "$workers" --out "$out/bench17-$tag.json" 2>&1 \
         | tee "$out/bench17-$tag.log"
     ;;
@@ -182,7 +182,7 @@ benchds)
     workers=${3:-16}
     ds="family=deepseek_v3,layers=12,hidden=7168,ffn=18432,moe_ffn=2048,experts=64,topk=8,q_lora=1536,heads=128"
     ds="$ds,kv_heads=128,vocab=129280,dtype=bfloat16,max_pos=4096,weights=0"
-    python3 -m hsx.cli bench --make-model "$ds" --prompts 128 --prompt-len 2048 --layers 2,6,9,12 --concurrency 64 \
+    python3 -m hsx_tools.cli bench --make-model "$ds" --prompts 128 --prompt-len 2048 --layers 2,6,9,12 --concurrency 64 \
         --warmup 16 --engine-arg=--load-format=dummy --engine-arg=--max-num-batched-tokens=16384 \
         --engine-arg=--gpu-memory-utilization=0.85 --modes "${MODES:-a,c}" \
         --transfer "${TRANSFER:-auto,http:none,http:zstd}" "${remote_bench[@]}" --workers "$workers" \

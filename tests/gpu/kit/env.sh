@@ -1,10 +1,11 @@
 # shellcheck shell=bash
 # Source on the H200 machine after assemble.sh, in the repository root: `. tests/gpu/kit/env.sh`
-# The assembled kit first, then hsx from this checkout (client/ and service/ linked under their
+# The assembled kit first, then hsx from this checkout (client/, service/ and tools/ linked under their
 # package names, as `hsx bench` does for an uninstalled checkout).
 mkdir -p /tmp/hsx-pkgs
 ln -sfn "$PWD/client" /tmp/hsx-pkgs/hsx_client
 ln -sfn "$PWD/service" /tmp/hsx-pkgs/hsx_service
+ln -sfn "$PWD/tools" /tmp/hsx-pkgs/hsx_tools
 # Wheels the image lacks, carried in .gpufix/wheels by `session.sh prepare` (httpx-aiohttp, xxhash).
 if [ -d /tmp/gpufix/wheels ] && [ ! -d /tmp/hsx-pkgs/httpx_aiohttp ]; then
     python3 -m pip install -q --no-deps --no-index --target /tmp/hsx-pkgs /tmp/gpufix/wheels/*.whl

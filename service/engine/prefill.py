@@ -1,0 +1,235 @@
+"""The engine: vLLM's AsyncLLM set up for prefill-only hidden-state capture.
+
+config.py checks what can be refused before any GPU is touched and builds vLLM's
+configuration; notices.py is the worker's completion channel. `PrefillEngine` runs
+one request: reserve an arena range (a `Reservation`), prefill with max_tokens=1, wait
+for the worker's copy notice; the range is then the HTTP layer's to send and release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from hsx.dtypes import by_name as dtype_by_name
+from hsx.protocol import KV_PARAMS_KEY
+from hsx_service.engine.arena import Allocator, ArenaFull, ArenaTooSmall, Reservation, SharedArena
+from hsx_service.engine.config import ModelFacts, build_engine_config
+from hsx_service.engine.engine_output import ChildOutput
+from hsx_service.engine.engine_stats import EngineStats
+from hsx_service.engine.notices import Notices
+from hsx_service.http.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError, TooLarge
+from hsx_service.settings import ServiceSettings
+
+if TYPE_CHECKING:  # vLLM is imported when the engine starts, not with this module
+    from vllm.config import VllmConfig
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger("hsx.engine")
+SELF_TEST_TIMEOUT = 120.0  # seconds the start-up self-test may take (it is the first prefill)
+
+
+class PrefillEngine:
+    """Owns the AsyncLLM, the arena and the notices; one `extract` per request."""
+
+    def __init__(self, settings: ServiceSettings, engine_args: Any):
+        self.settings = settings
+        self._engine_args = engine_args
+        self.arena: SharedArena | None = None
+        self.allocator: Allocator | None = None
+        self.notices: Notices | None = None
+        self.engine: AsyncLLM | None = None
+        self.facts: ModelFacts | None = None
+        self.itemsize = 2
+        self.engine_running = 0  # requests submitted to the engine and not yet finished
+        self.vllm_config: VllmConfig | None = None
+        self.text_config: Any = None  # the model's transformers text config
+        self.stats = EngineStats()
+        self.child_output = ChildOutput()  # the engine's own exception line when it fails
+
+    def engine_said(self) -> str:
+        """'; the engine said: ValueError: ...' when a child process printed an exception."""
+        cause = self.child_output.cause()
+        return f"; the engine said: {cause}" if cause else ""
+
+    def prepare(self) -> None:
+        """Fast checks and set-up, before the port opens. Raises StartupError."""
+        self.arena = SharedArena.create(self.settings.shm_dir, self.settings.arena_bytes)
+        self.allocator = Allocator(self.arena.size)
+        self.notices = Notices()
+        self.vllm_config, self.facts = build_engine_config(
+            self._engine_args, self.settings, self.arena, self.notices.address
+        )
+        self.text_config = self.vllm_config.model_config.hf_text_config
+        self.itemsize = dtype_by_name(self.facts.dtype).itemsize
+
+    async def start(self) -> None:
+        """Start vLLM (tens of seconds to minutes) without blocking the event loop."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        assert self.notices is not None and self.facts is not None
+        self.notices.start()
+        log.info(
+            "starting vLLM %s on %s: layers %s of %d, hidden %d, %s",
+            self.facts.vllm_version, self.facts.model, self.facts.layer_ids,
+            self.facts.num_hidden_layers, self.facts.hidden_size, self.facts.dtype,
+        )
+        # hsx's stat logger only (vLLM's periodic log lines stay off): it feeds hsx_kv_cache_usage.
+        try:
+            with self.child_output.inherited():
+                self.engine = await asyncio.to_thread(
+                    AsyncLLM.from_vllm_config, self.vllm_config, disable_log_stats=True,
+                    stat_loggers=[self.stats.logger_factory()],
+                )
+        except Exception as exc:
+            said = await asyncio.to_thread(self.engine_said)  # waits for the children's last output
+            if said:  # vLLM's own message says only "See root cause above"
+                raise StartupError(f"the vLLM engine failed to start{said}") from exc
+            raise
+        # Workers have mapped the arena; drop its name so nothing outlives a crash.
+        self.arena.unlink()
+
+    async def self_test(self) -> None:
+        """One tiny request through the whole path: proves every layer is captured."""
+        assert self.facts is not None
+        ids = [i % self.facts.vocab_size for i in range(1, 5)]
+        layers = list(range(len(self.facts.layer_ids)))
+        reservation = self.reserve(len(ids), len(layers))
+        try:
+            # Not --request-timeout: the first prefill pays the engine's lazy start-up (thread
+            # pools, kernels) and took over 2 s for 4 tokens on a loaded 2-core box (TP 2).
+            await self.extract(ids, layers, reservation, f"hsx-self-test-{uuid.uuid4().hex[:8]}",
+                               timeout=max(self.settings.request_timeout, SELF_TEST_TIMEOUT))
+        except EngineFailure as exc:
+            said = await asyncio.to_thread(self.engine_said)
+            raise StartupError(
+                f"self-test failed: {exc}{said}" if said else
+                f"self-test failed: {exc}. The architecture may not expose layers {self.facts.layer_ids} "
+                "through vLLM's aux-hidden-state interface."
+            ) from exc
+        finally:
+            reservation.release()  # a no-op when the engine took the range over
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self.notices is not None:
+            self.notices.close()
+        if self.arena is not None:
+            self.arena.close()
+
+    @property
+    def dead(self) -> bool:
+        return self.engine is not None and bool(self.engine.errored)
+
+    def bytes_for(self, num_tokens: int, num_layers: int) -> int:
+        assert self.facts is not None
+        return num_tokens * num_layers * self.facts.hidden_size * self.itemsize
+
+    def reserve(self, num_tokens: int, num_layers: int) -> Reservation:
+        """The arena range for one request's states. Raises Overloaded (full now) or
+        TooLarge (larger than the whole arena)."""
+        assert self.allocator is not None
+        try:
+            return self.allocator.reserve(self.bytes_for(num_tokens, num_layers))
+        except ArenaFull as exc:
+            raise Overloaded(f"response memory is full ({exc}); retry shortly", reason="memory") from exc
+        except ArenaTooSmall as exc:
+            raise TooLarge(
+                f"the states of {num_tokens} tokens x {num_layers} layers need {self.bytes_for(num_tokens, num_layers)} "
+                f"bytes, more than the whole arena (--arena-bytes {self.settings.arena_bytes})"
+            ) from exc
+
+    async def extract(
+        self, token_ids: list[int], layer_index: list[int], reservation: Reservation, request_id: str,
+        timeout: float | None = None,
+    ) -> dict:
+        """Prefill `token_ids` into the reserved range; returns the phase timings. The
+        caller keeps the reservation and releases it once the states are sent. On a
+        failure while the worker may still write the range, this method takes it over
+        (`hand_over`) and frees it on the worker's notice (`_release_on_notice`): the
+        caller's release then does nothing."""
+        from vllm import SamplingParams
+
+        assert self.notices is not None
+        key = uuid.uuid4().hex
+        notice = self.notices.expect(key)
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            detokenize=False,
+            extra_args={
+                "kv_transfer_params": {
+                    KV_PARAMS_KEY: {"key": key, "offset": reservation.extent.offset, "nbytes": reservation.extent.nbytes,
+                            "layers": layer_index}
+                }
+            },
+        )
+        self.engine_running += 1
+        # The prefill runs in its own task, never cancelled while vLLM submits it:
+        # AsyncLLM.generate cancelled inside its add_request neither aborts the request
+        # nor tells the scheduler, so no notice would ever free the range (a client that
+        # hung up at that moment held it until request_timeout). On a hang-up or timeout
+        # the request is aborted by id instead, and the task is dropped once the notice
+        # says the worker is done with the range.
+        prefill = asyncio.get_running_loop().create_task(self._prefill(token_ids, params, request_id, notice))
+        prefill.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are raised below
+        timeout = self.settings.request_timeout if timeout is None else timeout
+        try:
+            msg = await asyncio.wait_for(asyncio.shield(prefill), timeout)
+        except BaseException as exc:
+            await self._abort(request_id, prefill)
+            # The engine may still write this range: free it only on the connector's notice
+            # (every request the scheduler saw gets one; one vLLM refused before scheduling
+            # is held until request_timeout, which hsx's own input checks make rare).
+            held = reservation.hand_over()
+            asyncio.get_running_loop().create_task(self._release_on_notice(notice, held, key, prefill))
+            if isinstance(exc, ValueError):  # vLLM's own input checks
+                raise BadInput(f"vLLM refused the input: {exc}") from exc
+            if isinstance(exc, asyncio.TimeoutError):
+                raise EngineTimeout(f"the engine did not finish within {timeout:.0f}s") from exc
+            if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
+                raise EngineFailure("the engine failed while serving this request") from exc
+            raise
+        finally:
+            self.engine_running -= 1
+        if not msg["ok"]:  # the notice came: nothing writes the range, the caller frees it
+            raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
+        return msg["timing"]
+
+    async def _abort(self, request_id: str, prefill: asyncio.Task) -> None:
+        """Abort a request that may not have reached the engine yet. Aborting one still
+        being submitted is a no-op: it then runs to completion and its notice frees the range."""
+        if prefill.done():
+            return
+        try:
+            await asyncio.shield(self.engine.abort(request_id))
+        except asyncio.CancelledError:
+            pass  # a second cancel while aborting: the shielded abort still goes through
+        except Exception:  # the engine died: fail_all notices release the range
+            log.debug("abort of %s failed", request_id, exc_info=True)
+
+    async def _prefill(self, token_ids: list[int], params: Any, request_id: str, notice: asyncio.Future) -> dict:
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
+            pass
+        t1 = time.perf_counter()
+        # The output can arrive before the worker's copy notice (or after): wait for both.
+        msg = await asyncio.shield(notice)
+        msg["timing"] = {"engine": t1 - t0, "copy": time.perf_counter() - t1}
+        return msg
+
+    async def _release_on_notice(
+        self, notice: asyncio.Future, reservation: Reservation, key: str, prefill: asyncio.Task
+    ) -> None:
+        try:
+            await asyncio.wait_for(notice, self.settings.request_timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            log.warning("no notice for aborted request %s; freeing its arena range after timeout", key)
+        reservation.release()
+        prefill.cancel()  # the request is in the engine or was never sent: nothing left to abort

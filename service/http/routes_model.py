@@ -1,0 +1,68 @@
+"""What a client learns about the model: /info, /final_norm and /tokenize."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from hsx.protocol import final_norm as final_norm_body
+from hsx.wire import MEDIA_TYPE
+from hsx_service.http.errors import NotAvailable
+from hsx_service.http.schema import HiddenStatesRequest, TokenizeResponse
+from hsx_service.http.state import BAD_INPUT, ERRORS, request_key, serving
+
+router = APIRouter()
+
+
+@router.get("/info", summary="Model, layers, hidden size, dtype, limits, versions", responses=ERRORS)
+async def info(request: Request):
+    s = serving(request)
+    f, card, norm = s.prefill.facts, s.service.card, s.final_norm
+    return {
+        "model": card["model"],
+        "model_path": card["model_path"],
+        "model_revision": f.revision,
+        "architecture": f.architecture,
+        "layer_ids": f.layer_ids,
+        "num_hidden_layers": card["num_hidden_layers"],
+        "hidden_size": card["hidden_size"],
+        "dtype": card["dtype"],
+        "max_model_len": f.max_model_len,
+        "max_tokens_per_request": s.service.max_tokens,
+        "vocab_size": f.vocab_size,
+        "last_layer_pre_norm": True,
+        "final_norm": None if norm is None else {"eps": norm.eps, "style": norm.style, "tensor": norm.tensor_name},
+        "chat_template_sha256": s.service.tokenizer.template_sha256,
+        "vllm_version": card["vllm_version"],
+        "hsx_version": card["hsx_version"],
+        "shm_lease": None if s.arena_socket is None or not s.lease_policy.may_lease(request_key(request)) else {
+            "socket": s.arena_socket.address,
+            "arena_id": s.prefill.arena.arena_id,
+            "boot_id": s.arena_socket.boot_id,
+            "lease_timeout": s.settings.lease_timeout,
+        },
+    }
+
+
+@router.get(
+    "/final_norm",
+    summary="The final norm's weight (float32), epsilon and style, as safetensors",
+    response_class=Response,
+    responses={200: {"content": {MEDIA_TYPE: {}}}, **ERRORS},
+)
+async def final_norm(request: Request):
+    s = serving(request)
+    norm = s.final_norm
+    if norm is None:
+        raise NotAvailable(f"the final norm could not be read from the checkpoint: {s.final_norm_error}")
+    return Response(final_norm_body.encode(norm.weight, norm.eps, norm.style, norm.tensor_name), media_type=MEDIA_TYPE)
+
+
+@router.post(
+    "/tokenize",
+    summary="Token ids and loss mask of an input, as /hidden_states would prefill them, without the engine",
+    response_model=TokenizeResponse,
+    responses={**ERRORS, **BAD_INPUT},
+)
+async def tokenize(body: HiddenStatesRequest, request: Request):
+    return await serving(request).service.tokenize(body, request.state.request_id)

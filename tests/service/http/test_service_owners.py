@@ -1,0 +1,97 @@
+"""Issue 26 item 5: each rule of the HTTP side has one owner, tested here without an engine:
+content negotiation (a real parse of Accept / Accept-Encoding, not a substring test), the
+Bearer token, the lease policy, and the race between a request's work and its client leaving."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hsx.wire import LEASE_MEDIA_TYPE
+from hsx_service.body.negotiate import accepts_encoding, accepts_media, choose_coding, weights
+from hsx_service.engine.lease import NO_LEASE, LeasePolicy, LeaseTerms
+from hsx_service.http.auth import bearer_token
+from hsx_service.http.disconnect import race_client
+
+
+@pytest.mark.parametrize("accept, want", [
+    (LEASE_MEDIA_TYPE, True),
+    (f"application/x-safetensors;q=0.5, {LEASE_MEDIA_TYPE}", True),
+    (f"{LEASE_MEDIA_TYPE};q=0", False),  # a substring test said yes
+    (f"{LEASE_MEDIA_TYPE}; q=0.0, application/x-safetensors", False),
+    (f"{LEASE_MEDIA_TYPE}+extra", False),  # another type that starts alike
+    (f"{LEASE_MEDIA_TYPE.upper()}", True),  # media types are case-insensitive
+    ("*/*", False),  # an opt-in: no wildcard
+    (f"{LEASE_MEDIA_TYPE};q=oops", False),
+    (None, False),
+])
+def test_lease_media_type_is_parsed_not_searched(accept, want):
+    assert accepts_media(accept, LEASE_MEDIA_TYPE) is want
+
+
+def test_accept_encoding_weights():
+    assert accepts_encoding("gzip, zstd", "zstd") and accepts_encoding("*", "zstd")
+    assert not accepts_encoding("zstd;q=0, *", "zstd")  # named beats the wildcard
+    assert not accepts_encoding("gzip", "zstd") and not accepts_encoding(None, "zstd")
+    assert weights("a;q=2, b;q=-1, c") == {"a": 0.0, "b": 0.0, "c": 1.0}
+    assert choose_coding(None, "zstd;q=0", "bfloat16") == "identity"
+
+
+@pytest.mark.parametrize("header, want", [
+    ("Bearer k1", "k1"), ("bearer  k1 ", "k1"), ("BEARER k1", "k1"), ("Basic k1", None), ("", None), (None, None),
+    ("Bearer", ""),
+])
+def test_bearer_token(header, want):
+    assert bearer_token(header) == want
+
+
+def test_lease_policy_one_owner():
+    keys = LeasePolicy(True, ["a", "b"], ["b"], "worker")
+    live = {"s1"}
+    assert keys.terms("b", True, "s1", object(), live) == LeaseTerms(True, "s1", False)
+    assert keys.terms("a", True, "s1", object(), live) is NO_LEASE  # not a lease key
+    assert keys.terms("b", False, "s1", object(), live) is NO_LEASE  # did not ask
+    assert keys.terms("b", True, "s2", object(), live) is NO_LEASE  # no live session
+    assert keys.terms("b", True, "s1", None, live) is NO_LEASE  # no lease table
+    assert keys.terms("worker", True, "s1", object(), live) == LeaseTerms(True, "s1", True)
+    off = LeasePolicy(False, [], [], "worker")  # --shm-lease false: only the HTTP workers
+    assert not off.may_lease(None) and off.may_lease("worker") and not off.from_http_worker("other")
+    assert LeasePolicy(True, [], [], None).may_lease(None)  # no keys at all
+
+
+def _receive(disconnect: asyncio.Event):
+    async def receive():
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+    return receive
+
+
+async def test_race_client_work_first_keeps_watching_and_stops_are_cancelled():
+    left = asyncio.Event()
+    stop = asyncio.Event()
+    work = asyncio.ensure_future(asyncio.sleep(0, "done"))
+    gone = await race_client(work, _receive(left), stop.wait())
+    assert work.result() == "done" and not gone.done()  # still watching the client
+    left.set()
+    await asyncio.wait_for(gone, 1)
+
+
+async def test_race_client_client_first_leaves_the_work_to_the_caller():
+    left = asyncio.Event()
+    work = asyncio.ensure_future(asyncio.sleep(30))
+    left.set()
+    gone = await race_client(work, _receive(left))
+    assert gone.done() and not work.done()
+    work.cancel()
+
+
+async def test_race_client_cancelled_cancels_the_work():
+    work = asyncio.ensure_future(asyncio.sleep(30))
+    waiter = asyncio.ensure_future(race_client(work, _receive(asyncio.Event())))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.sleep(0)
+    assert work.cancelled()
