@@ -1,6 +1,6 @@
 """Worker-process stand-ins for tests/test_workers.py (module level: 'spawn' imports them).
 
-They speak hsx_client.workers' pipe protocol and store real files, but fetch nothing; how
+They speak hsx_client.corpus.workers' pipe protocol and store real files, but fetch nothing; how
 they misbehave is in spec.corpus['settings']: `die_after` (SIGKILL themselves after that many stored
 samples; `die_once`: only the first worker to claim the marker file), `error` (report a
 fatal error), `unsent` (die after writing the files, before sending the line), `slow` (seconds per sample)."""
@@ -12,7 +12,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from hsx_client import store
+from hsx_client.corpus import store
 
 
 @dataclass

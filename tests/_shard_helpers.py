@@ -14,8 +14,8 @@ import httpx
 import numpy as np
 
 from hsx import wire
-from hsx_client import extract as ex
-from hsx_client.plan import ShardSpec
+from hsx_client.corpus import extract as ex
+from hsx_client.corpus.plan import ShardSpec
 
 HIDDEN, VOCAB = 16, 64
 HSX = [sys.executable, "-m", "hsx.cli"]

@@ -468,7 +468,7 @@ def test_client_import_is_light():
     import sys
 
     code = (
-        "import sys, hsx_client.api, hsx_client.cli, hsx_client.extract, hsx_client.store, hsx_client.progress;"
+        "import sys, hsx_client.api, hsx_client.corpus.cli, hsx_client.corpus.extract, hsx_client.corpus.store, hsx_client.corpus.progress;"
         "bad=[m for m in ('vllm','fastapi','uvicorn') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx_client.verify import verify_corpus
+from hsx_client.corpus.verify import verify_corpus
 from conftest import need_fixtures
 from _e2e_helpers import (
     LAYERS,
@@ -99,7 +99,7 @@ def inputs(tmp_path_factory) -> dict[str, list[str]]:
 
 
 def requests_for(paths: list[str], policy: str) -> dict[str, dict]:
-    from hsx_client.inputs import read_samples
+    from hsx_client.corpus.inputs import read_samples
 
     return {s.key: s.request for s in read_samples(paths, mask_policy=policy)}
 

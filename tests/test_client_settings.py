@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hsx_client import cli
+from hsx_client.corpus import cli
 from hsx_client.api import HsxClient
-from hsx_client.extract import ExtractConfig
+from hsx_client.corpus.extract import ExtractConfig
 from hsx_client.settings import DEFAULTS, ClientSettings
 
 ENV = {

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from hsx_client import store
-from hsx_client import verify as verify_mod
-from hsx_client.merge import run_merge
-from hsx_client.verify import verify_corpus
+from hsx_client.corpus import store
+from hsx_client.corpus import verify as verify_mod
+from hsx_client.corpus.merge import run_merge
+from hsx_client.corpus.verify import verify_corpus
 from _shard_helpers import FakeHsx, extract, write_inputs
 
 import httpx
 
-from hsx_client import extract as ex
+from hsx_client.corpus import extract as ex
 
 
 @pytest.fixture

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from hsx_client.cli import build_extract_parser
-from hsx_client.merge import build_parser as build_merge_parser
-from hsx_client.plan import ShardSpec
+from hsx_client.corpus.cli import build_extract_parser
+from hsx_client.corpus.merge import build_parser as build_merge_parser
+from hsx_client.corpus.plan import ShardSpec
 from hsx_client.settings import ClientSettings
-from hsx_client.shard import resolve
+from hsx_client.corpus.shard import resolve
 from test_deploy import (  # noqa: F401  (fixtures are used by name)
     DEPLOY,
     DOCS,

@@ -14,10 +14,10 @@ import pytest
 import safetensors.numpy
 
 from hsx import wire
-from hsx_client import extract as ex
-from hsx_client import store
-from hsx_client.plan import estimate_tokens, pending
-from hsx_client.verify import verify_corpus
+from hsx_client.corpus import extract as ex
+from hsx_client.corpus import store
+from hsx_client.corpus.plan import estimate_tokens, pending
+from hsx_client.corpus.verify import verify_corpus
 
 L, H = 4, 8
 
@@ -202,7 +202,7 @@ def test_full_run_and_verify(tmp_path, data):
 
 def test_the_run_loop_reports_through_its_hooks(tmp_path, data):
     """RunHooks: what the benchmark times the fan-out with, instead of overriding the loop."""
-    from hsx_client.run import RunHooks
+    from hsx_client.corpus.run import RunHooks
 
     out = tmp_path / "out"
     fmt, srv = FakeFormat(), FakeServer()
@@ -402,12 +402,12 @@ def test_estimate_tokens():
 
 
 def test_cli_extract_and_verify(tmp_path, data, monkeypatch, capsys):
-    from hsx_client import cli
+    from hsx_client.corpus import cli
 
     fmt, srv = FakeFormat(), FakeServer()
     orig = ex.run_extract
     monkeypatch.setattr(ex, "run_extract", lambda cfg: orig(cfg, hooks(fmt), transport=httpx.MockTransport(srv)))
-    from hsx_client import formats
+    from hsx_client.corpus import formats
 
     monkeypatch.setattr(formats, "get_format", lambda name: fmt)  # what `hsx verify` opens the corpus with
     out = tmp_path / "out"

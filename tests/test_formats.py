@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from hsx_client import store
-from hsx_client.formats import (
+from hsx_client.corpus import store
+from hsx_client.corpus.formats import (
     CorpusContext,
     CorpusFormatError,
     get_format,
@@ -21,7 +21,7 @@ from hsx_client.formats import (
     runs_to_mask,
 )
 from hsx_client.postnorm import FinalNorm, apply_final_norm
-from hsx_client.vocab import build_mappings
+from hsx_client.corpus.vocab import build_mappings
 
 from _corpus_helpers import FIXTURES, HIDDEN, LAYER_IDS, VOCAB, make_decoded, specforge_batches, store_files
 

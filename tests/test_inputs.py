@@ -1,4 +1,4 @@
-"""Input readers and sample planning (hsx_client.inputs)."""
+"""Input readers and sample planning (hsx_client.corpus.inputs)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from hsx_client.inputs import BadRow, read_samples
+from hsx_client.corpus.inputs import BadRow, read_samples
 
 from _corpus_helpers import FIXTURES
 

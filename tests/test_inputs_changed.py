@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hsx_client import extract as ex
-from hsx_client import store
+from hsx_client.corpus import extract as ex
+from hsx_client.corpus import store
 from _shard_helpers import FakeHsx, extract, write_inputs
 
 
@@ -74,7 +74,7 @@ def test_moved_inputs_are_the_same_a_removed_one_is_named(tmp_path):
 def test_a_dataset_directory_counts_its_data_files_only(tmp_path):
     """Files a reader may write beside the data (hidden ones, datasets' cache-*.arrow) are
     not the input: they would make every rerun look changed."""
-    from hsx_client.plan import changed_inputs, input_files
+    from hsx_client.corpus.plan import changed_inputs, input_files
 
     d = tmp_path / "ds"
     (d / "train").mkdir(parents=True)

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsx_client import store
-from hsx_client.verify import compaction_moves, verify_corpus
-from hsx_client.formats import get_format
-from hsx_client.merge import main as merge_main
-from hsx_client.merge import run_merge
+from hsx_client.corpus import store
+from hsx_client.corpus.verify import compaction_moves, verify_corpus
+from hsx_client.corpus.formats import get_format
+from hsx_client.corpus.merge import main as merge_main
+from hsx_client.corpus.merge import run_merge
 from _shard_helpers import FakeHsx, extract, merge_cli, write_inputs
 
 FORMATS = {"speculators": "per_turn", "specforge": "all_turns"}
@@ -416,7 +416,7 @@ def test_real_shards_that_drop_samples_merge(e2e_pool, tmp_path):
     pytest.importorskip("speculators", reason="speculators is not installed (the trainer's reader)")
     from _e2e_helpers import HSX, assert_verify_ok, check_speculators_corpus, cli_env, run_extract
     from _server import CHAT
-    from hsx_client.inputs import read_samples
+    from hsx_client.corpus.inputs import read_samples
 
     import subprocess
 

@@ -19,10 +19,10 @@ import pytest
 from _first_hour import InfoServer, run
 from test_extract_unit import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
 
-from hsx_client import extract as ex
-from hsx_client import store
-from hsx_client.inputs import read_samples
-from hsx_client.verify import verify_corpus
+from hsx_client.corpus import extract as ex
+from hsx_client.corpus import store
+from hsx_client.corpus.inputs import read_samples
+from hsx_client.corpus.verify import verify_corpus
 
 
 # ------------------------------------------------------------------ one-line refusals (11.6)
@@ -39,7 +39,7 @@ def one_line(r: subprocess.CompletedProcess, code: int, words: str) -> None:
 
 
 def test_missing_input_is_one_line(tmp_path, data):
-    from hsx_client import cli
+    from hsx_client.corpus import cli
 
     # In-process with a fake server (the CLI's path), so the input is reached.
     out = tmp_path / "out"

@@ -12,8 +12,8 @@ import pytest
 
 from _e2e_helpers import assert_verify_ok, run_extract, verify
 from _server import CHAT
-from hsx_client.formats import get_format
-from hsx_client.verify import compaction_moves
+from hsx_client.corpus.formats import get_format
+from hsx_client.corpus.verify import compaction_moves
 
 pytestmark = [pytest.mark.engine, pytest.mark.fixtures, pytest.mark.slow]
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hsx_client import store
-from hsx_client.formats import get_format
-from hsx_client.verify import compaction_moves, verify_corpus
+from hsx_client.corpus import store
+from hsx_client.corpus.formats import get_format
+from hsx_client.corpus.verify import compaction_moves, verify_corpus
 from _shard_helpers import FakeHsx, extract, write_inputs
 
 # right truncation at 10 tokens leaves some rows with no supervised token: they are dropped
@@ -79,7 +79,7 @@ def test_retry_failed_is_still_refused_after_renumbering(tmp_path):
     assert compaction_moves(out)
     import httpx
 
-    from hsx_client import extract as ex
+    from hsx_client.corpus import extract as ex
 
     cfg = ex.ExtractConfig(servers=["http://fake"], output=out, inputs=[str(inputs)], format="speculators",
                            quiet=True, retry_failed=True, **SETTINGS)
@@ -93,7 +93,7 @@ def test_a_repair_stopped_before_finalize_is_finished_by_the_next_run(tmp_path, 
     it where it is and calls nothing bad, and the next run moves it into place."""
     import httpx
 
-    from hsx_client import extract as ex
+    from hsx_client.corpus import extract as ex
 
     inputs = write_inputs(tmp_path / "in.jsonl", 30)
     out = tmp_path / "corpus"

@@ -8,10 +8,10 @@ import json
 import httpx
 import pytest
 
-from hsx_client import extract as ex
-from hsx_client.cli import extract_main
-from hsx_client.plan import ShardError, ShardSpec, shard_bounds
-from hsx_client.shard import resolve
+from hsx_client.corpus import extract as ex
+from hsx_client.corpus.cli import extract_main
+from hsx_client.corpus.plan import ShardError, ShardSpec, shard_bounds
+from hsx_client.corpus.shard import resolve
 from _shard_helpers import FakeHsx, extract, write_inputs
 
 

@@ -106,7 +106,7 @@ def test_two_nodes_shards_one_killed_then_merged_equal_one_client(nodes, tmp_pat
 
     # the trainers' own readers take the merged corpus whole, as they take the single one
     policy, side = FORMATS[fmt]
-    from hsx_client.inputs import read_samples
+    from hsx_client.corpus.inputs import read_samples
 
     requests = {s.key: s.request for s in read_samples([OASST], mask_policy=policy)}
     check = check_speculators_corpus if fmt == "speculators" else check_specforge_corpus

@@ -4,7 +4,7 @@ Real `hsx serve` processes (vLLM CPU, the trained stories260K in fp32, layers 1,
 llama3 template, real OASST chats), `hsx extract` as a subprocess, and speculators 0.9's
 own code: `create_train_val_loaders` (spawned DataLoader workers, its sampler, collator
 and EAGLE-3 batch shift), `ArrowDataset`, hs_connectors' `FP8Transfer`, and its trainer
-through `python -m hsx_client.speculators_train`. What is proven:
+through `python -m hsx_client.training.speculators_train`. What is proven:
 - `--states none` writes the full corpus's table, vocab files and order, with no engine
   pass (the servers' token counter does not move), crash-safe and resumable;
 - online batches (the `hsx` backend over that table) equal the offline corpus's batches;
@@ -92,7 +92,7 @@ def _loaders(data: Path, transfer, *, workers: int = 2):
 
 
 def _hsx(data: Path, servers, **kw):
-    from hsx_client.speculators_backend import HsxSettings, HsxTransfer
+    from hsx_client.training.speculators_backend import HsxSettings, HsxTransfer
 
     return HsxTransfer(HsxSettings(servers=tuple(s if isinstance(s, str) else s.url for s in servers),
                                    data_path=str(data), **{"on_missing": "raise", **kw}))
@@ -193,7 +193,7 @@ def test_rows_that_cannot_be_fetched_follow_on_missing(pool, tmp_path):
     from speculators.train.data import ArrowDataset
     from speculators.train.recovery import SampleUnavailable
 
-    from hsx_client.speculators_backend import HsxSampleError, HsxSetupError
+    from hsx_client.training.speculators_backend import HsxSampleError, HsxSetupError
 
     servers = pool.get(1)
     rows = [[1, 5, 9, 13], [1, 5, 9] * 200, [1, 7, 9999]]  # fine; over max_model_len (413); outside the vocab
@@ -264,11 +264,11 @@ def _train_argv(data: Path, save: Path, servers) -> list[str]:
 
 
 def test_eagle3_draft_trains_through_the_wrapper_on_cpu(pool, corpora, tmp_path):
-    """Issue 25: `python -m hsx_client.speculators_train ... --device cpu` is the supported
+    """Issue 25: `python -m hsx_client.training.speculators_train ... --device cpu` is the supported
     CPU route (it used to be a test file); without it a box with no GPU is told so at once."""
     servers = pool.get(2)
     env = cli_env()
-    r = subprocess.run([sys.executable, "-m", "hsx_client.speculators_train", "--device", "cpu",
+    r = subprocess.run([sys.executable, "-m", "hsx_client.training.speculators_train", "--device", "cpu",
                         *_train_argv(corpora["tokens"], tmp_path / "ckpt", servers)],
                        capture_output=True, text=True, timeout=900, env=env)
     log = r.stdout + r.stderr
@@ -278,7 +278,7 @@ def test_eagle3_draft_trains_through_the_wrapper_on_cpu(pool, corpora, tmp_path)
     assert (tmp_path / "ckpt" / "0" / "config.json").exists()
     assert "hsx_servers" in (tmp_path / "ckpt" / "run.yaml").read_text()
     if not torch.accelerator.is_available():
-        r = subprocess.run([sys.executable, "-m", "hsx_client.speculators_train",
+        r = subprocess.run([sys.executable, "-m", "hsx_client.training.speculators_train",
                             *_train_argv(corpora["tokens"], tmp_path / "ckpt2", servers)],
                            capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hsx_client.formats import CorpusContext, CorpusFormatError, get_format
+from hsx_client.corpus.formats import CorpusContext, CorpusFormatError, get_format
 
 from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, make_decoded, store_files
 
@@ -50,7 +50,7 @@ def _write(fmt, out: Path, ctx, decoded: dict, *, tokens_only=False):
 def test_fp8_quantization_is_hs_connectors_bit_for_bit(dtype):
     from hs_connectors.fp8_utils import quantize_tensor_to_fp8
 
-    from hsx_client.formats.speculators_variants import quantize_fp8
+    from hsx_client.corpus.formats.speculators_variants import quantize_fp8
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(50, 4, 64, generator=g) * torch.logspace(-3, 3, 50).view(50, 1, 1)).to(dtype)
@@ -153,7 +153,7 @@ def test_variants_refuse_what_makes_no_corpus():
 def test_backend_flags_resolve_through_speculators_config(tmp_path, monkeypatch):
     from hs_connectors import HiddenStatesBackend
 
-    import hsx_client.speculators_backend as sb
+    import hsx_client.training.speculators_backend as sb
     from speculators.train.config import TrainConfig
 
     key = tmp_path / "key"
@@ -196,7 +196,7 @@ def test_backend_flags_resolve_through_speculators_config(tmp_path, monkeypatch)
 
 
 def test_wrapper_refuses_missing_servers_before_building_a_model(tmp_path, monkeypatch, capsys):
-    from hsx_client import speculators_train
+    from hsx_client.training import speculators_train
 
     monkeypatch.delenv("HSX_SERVER", raising=False)
     rc = speculators_train.main(["--verifier-name-or-path", "x", "--data-path", str(tmp_path),
@@ -206,7 +206,7 @@ def test_wrapper_refuses_missing_servers_before_building_a_model(tmp_path, monke
 
 
 def test_sample_checks():
-    from hsx_client.speculators_backend import check_sample
+    from hsx_client.training.speculators_backend import check_sample
 
     ids = np.arange(6, dtype=np.int64)
     hs = torch.zeros(6, 4, 8)

@@ -13,7 +13,7 @@ import hashlib
 import pytest
 import xxhash
 
-from hsx_client import store
+from hsx_client.corpus import store
 
 
 def _tmp_files(root):
@@ -178,7 +178,7 @@ def test_lock_exclusion(tmp_path):
             store.DirLock(tmp_path).acquire()
         assert f"pid={os.getpid()}" in str(ei.value)
         code = (
-            "import sys; from hsx_client import store\n"
+            "import sys; from hsx_client.corpus import store\n"
             "try:\n store.DirLock(sys.argv[1]).acquire()\nexcept store.LockedError as e:\n print(e); sys.exit(3)\n"
         )
         r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
@@ -189,7 +189,7 @@ def test_lock_exclusion(tmp_path):
 
 
 def test_lock_released_when_process_dies(tmp_path):
-    code = "import os, sys; from hsx_client import store; store.DirLock(sys.argv[1]).acquire(); os._exit(9)"
+    code = "import os, sys; from hsx_client.corpus import store; store.DirLock(sys.argv[1]).acquire(); os._exit(9)"
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)])
     assert r.returncode == 9
     store.DirLock(tmp_path).acquire().release()

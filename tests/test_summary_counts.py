@@ -17,13 +17,13 @@ from _first_hour import L, H, InfoServer, run
 from test_extract_unit import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
 
 from hsx import wire
-from hsx_client import cli
-from hsx_client import extract as ex
-from hsx_client.formats import SpecForgeFormat, SpeculatorsFormat
-from hsx_client.formats.common import drop_reason
-from hsx_client.formats.speculators_variants import TokensResponse
-from hsx_client.progress import Progress, format_summary, reason_counts
-from hsx_client.template_tools import tools_not_rendered
+from hsx_client.corpus import cli
+from hsx_client.corpus import extract as ex
+from hsx_client.corpus.formats import SpecForgeFormat, SpeculatorsFormat
+from hsx_client.corpus.formats.common import drop_reason
+from hsx_client.corpus.formats.speculators_variants import TokensResponse
+from hsx_client.corpus.progress import Progress, format_summary, reason_counts
+from hsx_client.corpus.template_tools import tools_not_rendered
 
 
 # ------------------------------------------------------------------ reasons with their numbers
@@ -175,7 +175,7 @@ def test_a_specforge_run_drops_and_counts_last_token_only_samples(tmp_path, data
 
 # ------------------------------------------------------------------ online training on a CPU
 def test_the_trainer_takes_device_cpu_and_sets_what_a_cpu_runs():
-    from hsx_client.speculators_train import _split_device
+    from hsx_client.training.speculators_train import _split_device
 
     assert _split_device(["--data-path", "d"]) == ("auto", ["--data-path", "d"])
     dev, rest = _split_device(["--device", "cpu", "--data-path", "d", "--draft-attn-impl=flex_attention"])
@@ -187,7 +187,7 @@ def test_the_trainer_takes_device_cpu_and_sets_what_a_cpu_runs():
 def test_readme_names_the_files_a_run_writes_and_the_inputs_it_takes(tmp_path, data):
     from _server import REPO
 
-    from hsx_client import store
+    from hsx_client.corpus import store
 
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("## Extracting a corpus"):readme.index("### On CPU")]

@@ -1,4 +1,4 @@
-"""hsx_client.workers' parent (WorkerPool) with stand-in worker processes (tests/_fake_workers):
+"""hsx_client.corpus.workers' parent (WorkerPool) with stand-in worker processes (tests/_fake_workers):
 the one manifest writer, every sample once when a worker is SIGKILLed, a resumable stop when
 workers keep dying or report an error, a stop request; the --workers default and flag.
 The real worker (HsxClient + RunLoop against `hsx serve`) is tests/test_extract_workers_e2e.py."""
@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from hsx_client import store
-from hsx_client.cli import build_extract_parser
-from hsx_client.progress import Progress
-from hsx_client.run import RunHooks, RunState
+from hsx_client.corpus import store
+from hsx_client.corpus.cli import build_extract_parser
+from hsx_client.corpus.progress import Progress
+from hsx_client.corpus.run import RunHooks, RunState
 from hsx_client.settings import default_workers
-from hsx_client.workers import RESTARTS, WorkerError, WorkerPool, WorkerSpec
+from hsx_client.corpus.workers import RESTARTS, WorkerError, WorkerPool, WorkerSpec
 from _fake_workers import Sample, fake_worker
 
 N = 40
@@ -112,8 +112,8 @@ def test_workers_flag_and_help():
 def test_one_worker_is_the_in_process_loop_and_a_test_transport_stays_in_process(tmp_path):
     from types import SimpleNamespace
 
-    from hsx_client.extract import ConfigError, ExtractConfig, Extractor
-    from hsx_client.run import RunLoop
+    from hsx_client.corpus.extract import ConfigError, ExtractConfig, Extractor
+    from hsx_client.corpus.run import RunLoop
 
     client = SimpleNamespace(servers=["http://x"])
     st = SimpleNamespace(**{f: None for f in ("fmt", "ctx", "out", "settings", "served_layers", "keys")})
@@ -129,9 +129,9 @@ def test_workers_never_outnumber_the_requests_in_flight(tmp_path):
     each: the requests in flight stay what the user set. With 1 in flight, the in-process loop."""
     from types import SimpleNamespace
 
-    from hsx_client.extract import ExtractConfig, Extractor
-    from hsx_client.run import RunLoop
-    from hsx_client.workers import worker_count
+    from hsx_client.corpus.extract import ExtractConfig, Extractor
+    from hsx_client.corpus.run import RunLoop
+    from hsx_client.corpus.workers import worker_count
 
     assert [worker_count(16, c) for c in (1, 2, 8, 16, 64)] == [1, 2, 8, 16, 16]
     client = SimpleNamespace(servers=["http://x", "http://y"])

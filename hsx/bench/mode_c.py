@@ -153,8 +153,8 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
                      out_dir: Path, prompts: list[list[int]], transfer: str, timeout: float) -> dict[str, Any]:
     """One timed `hsx extract` run loop (speculators corpus) against the running server:
     from the first request to the last sample recorded (RunHooks), finalize apart."""
-    from hsx_client.extract import ExtractConfig, run_extract
-    from hsx_client.run import RunHooks
+    from hsx_client.corpus.extract import ExtractConfig, run_extract
+    from hsx_client.corpus.run import RunHooks
 
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)

@@ -12,14 +12,14 @@ import numpy as np
 import torch
 
 from hsx import dtypes
-from hsx_client import store
-from hsx_client.formats.common import (
+from hsx_client.corpus import store
+from hsx_client.corpus.formats.common import (
     FORMAT_FILE, CorpusContext, CorpusFormatError, SampleOutput, check_decoded, eagle3_layer_problem, format_json,
     make_record,
     record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
 from hsx_client.postnorm import apply_final_norm
-from hsx_client.vocab import count_supervised, specforge_vocab_files
+from hsx_client.corpus.vocab import count_supervised, specforge_vocab_files
 
 if TYPE_CHECKING:
     from hsx.wire import Decoded

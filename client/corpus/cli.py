@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .settings import DEFAULTS, ClientSettings, default_workers
+from hsx_client.settings import DEFAULTS, ClientSettings, default_workers
 
 EXTRACT_EPILOG = """\
 exit codes:
@@ -147,8 +147,8 @@ def extract_main(argv: list[str] | None = None) -> int:
     if not servers:
         print("hsx extract: give at least one --server URL (or HSX_SERVER)", file=sys.stderr)
         return 2
-    from .extract import ExtractConfig, format_summary, run_extract
-    from .shard import ShardError, resolve
+    from hsx_client.corpus.extract import ExtractConfig, format_summary, run_extract
+    from hsx_client.corpus.shard import ShardError, resolve
 
     try:
         shard = resolve(args.shard, args.num_shards, os.environ)
@@ -186,9 +186,9 @@ def extract_main(argv: list[str] | None = None) -> int:
         handle_signals=True,
         shard=shard,
     )
-    from .allocator import keep_large_blocks
+    from hsx_client.malloc_tuning import keep_large_blocks
 
-    keep_large_blocks()  # this process receives the bodies unless --workers does (allocator.py)
+    keep_large_blocks()  # this process receives the bodies unless --workers does (hsx_client.malloc_tuning)
     try:
         result = run_extract(cfg)
     except KeyboardInterrupt:  # before the handlers were installed
@@ -222,9 +222,9 @@ def build_verify_parser() -> argparse.ArgumentParser:
 
 def verify_main(argv: list[str] | None = None) -> int:
     args = build_verify_parser().parse_args(argv)
-    from .plan import ConfigError
-    from .store import StoreError
-    from .verify import verify_corpus
+    from hsx_client.corpus.plan import ConfigError
+    from hsx_client.corpus.store import StoreError
+    from hsx_client.corpus.verify import verify_corpus
 
     try:
         report = verify_corpus(args.dir, quiet=args.quiet, workers=args.workers)

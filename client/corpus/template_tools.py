@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .api import HsxClient
-from .errors import HsxError
+from hsx_client.api import HsxClient
+from hsx_client.errors import HsxError
 
 PROBES = 3  # rows tried per template when one cannot be tokenized (a bad row is the run's business)
 

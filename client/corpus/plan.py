@@ -13,7 +13,7 @@ missing or have another size than recorded, minus those `hsx verify` listed in
 that fail the full check when `--verify` is given. What is to do: every planned index
 neither done nor failed for good (`pending`).
 
-Shards (`hsx extract --shard I/N`; hsx_client.shard says where I and N come from): every
+Shards (`hsx extract --shard I/N`; hsx_client.corpus.shard says where I and N come from): every
 node plans the same global sample list as above, then keeps shard I of it, the contiguous
 slice `[I*n//N, (I+1)*n//N)`. Contiguous slices keep the global order when `hsx merge`
 concatenates the shards (a merged corpus is then row for row what one client would have
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import store
+from hsx_client.corpus import store
 
 PLAN_VERSION = 1
 

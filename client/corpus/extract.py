@@ -9,23 +9,23 @@
     last), `--layers` against the served ones, `--draft-vocab-size` within the vocab,
     `--max-length` within the servers' `max_tokens_per_request` (and its default: their
     smallest), a chat template for chat rows;
- 4. read the samples (`hsx_client.inputs.read_samples`), fingerprint them; no usable row
+ 4. read the samples (`hsx_client.corpus.inputs.read_samples`), fingerprint them; no usable row
     is a refusal that says why;
- 5. the plan (hsx_client.plan): made on a new dir, the disk it needs checked, and only then
+ 5. the plan (hsx_client.corpus.plan): made on a new dir, the disk it needs checked, and only then
     saved (with bad_rows.jsonl); reused on an existing dir. A run refused before its plan
     leaves DIR as it was (no lock file, no directory it created);
- 6. what is done and what is to do (hsx_client.plan), the disk it needs, refused when the
+ 6. what is done and what is to do (hsx_client.corpus.plan), the disk it needs, refused when the
     disk cannot hold it;
- 7. the fan-out loop (hsx_client.run; with --workers N over worker processes,
-    hsx_client.workers): each response decoded, encoded by the format, its files stored
+ 7. the fan-out loop (hsx_client.corpus.run; with --workers N over worker processes,
+    hsx_client.corpus.workers): each response decoded, encoded by the format, its files stored
     atomically and only then its manifest line appended (fsync'ed) by this process;
  8. when every planned sample is done, failed or dropped: the format's finalize, then
-    `hsx_corpus.json` (hsx_client.provenance), atomically.
+    `hsx_corpus.json` (hsx_client.corpus.provenance), atomically.
 
-Failed and dropped samples: see hsx_client.run; finalize leaves them out, and
+Failed and dropped samples: see hsx_client.corpus.run; finalize leaves them out, and
 `hsx_corpus.json` lists them. The summary counts them by reason. Ctrl-C (SIGINT/SIGTERM): stop admitting, cancel requests in
 flight, let stores already running finish, exit 130. A second Ctrl-C exits at once; the
-state is still consistent (a kill -9 is too: see hsx_client.store).
+state is still consistent (a kill -9 is too: see hsx_client.corpus.store).
 
 Exit codes (EXIT_CODES, also in `hsx extract --help`): 0 complete (every planned sample
 stored or dropped by policy); 1 run failed: stopped on an error (resumable), or finished
@@ -44,19 +44,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import plan as planning
-from . import store
-from .api import HsxClient
-from .errors import AuthenticationError, HsxError, RetriesExhaustedError, ServersUnreachableError
-from .plan import ConfigError
-from .preflight import check_chat_template, preflight, token_ratio, wants_final_norm
-from .progress import Progress, format_summary, reason_counts
-from .provenance import finalize
-from .run import EXIT_INTERRUPTED, RunHooks, RunLoop, RunState
-from .settings import DEFAULTS
-from .template_tools import tools_not_rendered
-from .verify import verify_corpus, verify_samples
-from .workers import WorkerPool, worker_count, worker_spec
+from hsx_client.corpus import plan as planning
+from hsx_client.corpus import store
+from hsx_client.api import HsxClient
+from hsx_client.errors import AuthenticationError, HsxError, RetriesExhaustedError, ServersUnreachableError
+from hsx_client.corpus.plan import ConfigError
+from hsx_client.corpus.preflight import check_chat_template, preflight, token_ratio, wants_final_norm
+from hsx_client.corpus.progress import Progress, format_summary, reason_counts
+from hsx_client.corpus.provenance import finalize
+from hsx_client.corpus.run import EXIT_INTERRUPTED, RunHooks, RunLoop, RunState
+from hsx_client.settings import DEFAULTS
+from hsx_client.corpus.template_tools import tools_not_rendered
+from hsx_client.corpus.verify import verify_corpus, verify_samples
+from hsx_client.corpus.workers import WorkerPool, worker_count, worker_spec
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
 EXIT_CODES = {
@@ -101,7 +101,7 @@ class ExtractConfig:
     force_disk: bool = False
     quiet: bool = False
     write_workers: int | None = None
-    workers: int = 1  # processes (hsx_client.workers); 1: the in-process loop (the CLI's default: the core count)
+    workers: int = 1  # processes (hsx_client.corpus.workers); 1: the in-process loop (the CLI's default: the core count)
     handle_signals: bool = False
     shard: planning.ShardSpec | None = None  # --shard I/N: take slice I of the global plan
 
@@ -116,7 +116,7 @@ class Hooks:
 
 
 def default_hooks() -> Hooks:
-    from . import formats, inputs
+    from hsx_client.corpus import formats, inputs
 
     return Hooks(read_samples=inputs.read_samples, get_format=formats.get_format, make_context=formats.CorpusContext)
 
@@ -203,7 +203,7 @@ class Extractor:
         settings = planning.resolve_settings({k: getattr(cfg, k) for k in planning.PLAN_KEYS}, plan, out)
         if settings["format"] is None:
             raise ConfigError("--format is required (speculators or specforge)")
-        from .formats import format_options
+        from hsx_client.corpus.formats import format_options
 
         try:
             fmt = hooks.get_format(settings["format"], **format_options(settings))

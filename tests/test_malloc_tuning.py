@@ -1,4 +1,4 @@
-"""client/allocator.py: with large blocks kept, a second 64 MiB body reuses the first's
+"""client/malloc_tuning.py: with large blocks kept, a second 64 MiB body reuses the first's
 memory (few page faults) where glibc's default maps and faults in fresh pages each time,
 on the event loop's thread (HTTP bodies) and in another thread (zstd decoding runs in the
 loop's executor). Counted in page faults, not time: the same on a loaded box."""
@@ -13,7 +13,7 @@ import pytest
 PROBE = """
 import resource, sys
 from concurrent.futures import ThreadPoolExecutor
-from hsx_client.allocator import keep_large_blocks
+from hsx_client.malloc_tuning import keep_large_blocks
 kept = keep_large_blocks() if sys.argv[1] == "keep" else False
 chunks = [bytes([i]) * (1 << 20) for i in range(64)]
 

@@ -1,7 +1,7 @@
 """speculators' hidden-states backend `hsx`: every training row's states come from hsx servers.
 
     hsx extract --format speculators --states none --server URL --input chats.jsonl --output DATA
-    python -m hsx_client.speculators_train --data-path DATA --hidden-states-backend hsx \\
+    python -m hsx_client.training.speculators_train --data-path DATA --hidden-states-backend hsx \\
         --hsx-servers URL[,URL...] --on-missing raise ...
 
 speculators (0.9) reads a row with `transfer.get_cached(file_idx)`; `file_idx` is the row's
@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
-from .errors import (AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError,
+from hsx_client.errors import (AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError,
                      ServersUnreachableError)
 
 log = logging.getLogger("hsx.speculators")
@@ -123,7 +123,7 @@ class _Runtime:
     def __init__(self, s: HsxSettings) -> None:
         from datasets import load_from_disk
 
-        from .api import HsxClient
+        from hsx_client.api import HsxClient
 
         self.pid = os.getpid()
         self.table = load_from_disk(s.data_path).with_format("numpy", columns=["input_ids"])
@@ -313,5 +313,5 @@ def check_registered() -> None:
 
     resolution = sys.modules.get("speculators.train.config.resolution")
     if resolution is not None and BACKEND_NAME not in resolution._BACKEND_ACTIONS:  # noqa: SLF001
-        raise RuntimeError("speculators' train config was imported before hsx_client.speculators_backend, so its "
-                           "--hsx-* flags are missing: import hsx_client.speculators_backend first")
+        raise RuntimeError("speculators' train config was imported before hsx_client.training.speculators_backend, so its "
+                           "--hsx-* flags are missing: import hsx_client.training.speculators_backend first")

@@ -1,4 +1,4 @@
-"""`python -m hsx_client.speculators_train <speculators train flags>`: speculators' own
+"""`python -m hsx_client.training.speculators_train <speculators train flags>`: speculators' own
 trainer, with the `hsx` hidden-states backend registered.
 
 speculators 0.9 finds backends in a registry that imports fill (it has no entry points)
@@ -7,7 +7,7 @@ be imported before speculators' config: this module does that, then runs exactly
 `speculators train` runs, `main(TrainConfig.resolve(argv))`. Every speculators flag works
 as documented there; under torchrun each rank runs this module:
 
-    torchrun --nproc-per-node 8 -m hsx_client.speculators_train --data-path DATA \\
+    torchrun --nproc-per-node 8 -m hsx_client.training.speculators_train --data-path DATA \\
         --hidden-states-backend hsx --hsx-servers http://gpu-1:8001 ...
 
 With `--hidden-states-backend hsx`, the hsx settings are checked before the draft model is
@@ -61,9 +61,9 @@ def use_cpu() -> None:
 def main(argv: list[str] | None = None) -> int:
     device, argv = _split_device(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        print("hsx_client.speculators_train: speculators' `train` flags, plus --device {auto,cpu} "
+        print("hsx_client.training.speculators_train: speculators' `train` flags, plus --device {auto,cpu} "
               "(cpu: train on the CPU, to try it without a GPU)")
-    from hsx_client import speculators_backend  # registers "hsx" before speculators' config is imported
+    from hsx_client.training import speculators_backend  # registers "hsx" before speculators' config is imported
 
     speculators_backend.check_registered()
     from speculators.train.cli import main as train
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             speculators_backend.settings_from_args(argparse.Namespace(**cfg.flatten()), cfg.data.data_path)
         except ValueError as exc:
-            print(f"hsx_client.speculators_train: {exc}", file=sys.stderr)
+            print(f"hsx_client.training.speculators_train: {exc}", file=sys.stderr)
             return 2
     if device == "cpu":
         use_cpu()
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if not torch.accelerator.is_available():
-            print("hsx_client.speculators_train: no GPU (accelerator) found; speculators' trainer needs one. "
+            print("hsx_client.training.speculators_train: no GPU (accelerator) found; speculators' trainer needs one. "
                   "Add --device cpu to try it on the CPU (slow)", file=sys.stderr)
             return 2
     train(cfg)

@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import plan as planning
-from . import store
-from .formats import FORMAT_FILE
-from .plan import ConfigError, failed_for_good, load_plan
-from .verify import compaction_moves
+from hsx_client.corpus import plan as planning
+from hsx_client.corpus import store
+from hsx_client.corpus.formats import FORMAT_FILE
+from hsx_client.corpus.plan import ConfigError, failed_for_good, load_plan
+from hsx_client.corpus.verify import compaction_moves
 
 # hsx_corpus.json fields that describe one shard's run rather than the corpus settings:
 # facts about its own samples (counts, the indices it failed or dropped, in its own
-# numbering) are combined by the merge (hsx_client.merge), never compared. A shard that
+# numbering) are combined by the merge (hsx_client.corpus.merge), never compared. A shard that
 # dropped a sample (no supervised token after truncation) differs from the others there
 # as a matter of course.
 PER_SHARD_CORPUS_FIELDS = frozenset(

@@ -13,13 +13,13 @@ import numpy as np
 import torch
 
 from hsx import dtypes, wire
-from hsx_client import store
-from hsx_client.formats.common import (
+from hsx_client.corpus import store
+from hsx_client.corpus.formats.common import (
     COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormatError, SampleOutput, check_decoded,
     eagle3_layer_problem, format_json,
     make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
-from hsx_client.vocab import count_supervised, speculators_vocab_files
+from hsx_client.corpus.vocab import count_supervised, speculators_vocab_files
 
 if TYPE_CHECKING:
     from hsx.wire import Decoded

@@ -6,7 +6,7 @@ Why processes: one client process receives, decodes, hashes and writes ~1 GB/s a
 Who does what:
     parent   plans, hands sample indices to the workers (a small window each, so a dead
              worker costs little), and is the ONE writer of manifest.jsonl and failed.jsonl;
-    worker   runs hsx_client.run's RunLoop (the owner of every per-sample rule: retries,
+    worker   runs hsx_client.corpus.run's RunLoop (the owner of every per-sample rule: retries,
              5xx breaker, leases, dropped, encode errors) on the indices it gets: fetch,
              store the files (fsync'ed, checksummed), release the lease, and only then
              send the manifest entry to the parent, which appends it (fsync'ed).
@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from . import store
-from .allocator import keep_large_blocks
-from .plan import DROPPED
-from .progress import add_stats
-from .run import RunHooks, RunLoop, RunState, StopSignals, default_write_workers
+from hsx_client.corpus import store
+from hsx_client.malloc_tuning import keep_large_blocks
+from hsx_client.corpus.plan import DROPPED
+from hsx_client.corpus.progress import add_stats
+from hsx_client.corpus.run import RunHooks, RunLoop, RunState, StopSignals, default_write_workers
 
 log = logging.getLogger("hsx.extract")
 
@@ -116,7 +116,7 @@ class _ProgressToParent:
 def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """A worker process's entry (module level: 'spawn' imports it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides; it tells us to stop
-    keep_large_blocks()  # each body in reused memory, not a fresh mmap (allocator.py)
+    keep_large_blocks()  # each body in reused memory, not a fresh mmap (hsx_client.malloc_tuning)
     outbox = _Outbox(conn)
     books: dict[str, Any] = {}  # its client's counters and store time, for the parent's totals
     try:
@@ -130,7 +130,7 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
 
 
 async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec, books: dict[str, Any]) -> str | None:
-    from .api import HsxClient
+    from hsx_client.api import HsxClient
 
     async with HsxClient(**spec.client_args) as client:
         state = RunState(

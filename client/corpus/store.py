@@ -54,7 +54,7 @@ BAD_ROWS_NAME = "bad_rows.jsonl"
 VERIFY_NAME = "verify.json"
 CORPUS_NAME = "hsx_corpus.json"
 # Written by a format's finalize when it renumbers samples (speculators compacts failed
-# indices away); maps manifest index -> final index. See hsx_client.formats.
+# indices away); maps manifest index -> final index. See hsx_client.corpus.formats
 COMPACTION_JOURNAL = "hsx_compaction.json"
 HASH_ALGO = "xxh3_128"  # what new entries record
 _HASHES = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}  # what entries may name

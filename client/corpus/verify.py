@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from . import store
-from .plan import ConfigError, failed_for_good, load_plan, split_dropped
+from hsx_client.corpus import store
+from hsx_client.corpus.plan import ConfigError, failed_for_good, load_plan, split_dropped
 
 
 def verify_samples(
@@ -118,19 +118,19 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
                   workers: int | None = None) -> dict[str, Any]:
     """`hsx verify DIR`: returns the report; writes DIR/verify.json listing bad samples
     (removed when none) so the next `hsx extract` redoes exactly those. `get_format`
-    (name -> format writer) defaults to hsx_client.formats.get_format."""
+    (name -> format writer) defaults to hsx_client.corpus.formats.get_format."""
     out = Path(out)
     if not (out / store.PLAN_NAME).exists():
         raise ConfigError(f"{out} is not an hsx corpus (no {store.PLAN_NAME})")
     with store.DirLock(out).acquire("hsx verify"):
         store.clean_temp_files(out)  # a killed writer's leftovers (finalize's .hsx_finalize... dir)
         if get_format is None:
-            from .formats import get_format
+            from hsx_client.corpus.formats import get_format
         plan = load_plan(out)
         assert plan is not None
         keys = plan["keys"]
         n = len(keys)
-        from .formats import format_options
+        from hsx_client.corpus.formats import format_options
 
         fmt = get_format(plan["settings"]["format"], **format_options(plan["settings"]))
         entries, _, torn = store.read_jsonl(out / store.MANIFEST_NAME)

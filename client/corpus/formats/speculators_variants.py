@@ -7,7 +7,7 @@
     data-*.arrow, dataset_info.json, state.json, token_freq.pt, d2t/t2d, hsx_format.json
                                    exactly as in a full corpus (same rows, same order)
     No hidden_states/ directory: speculators' `file` backend finds no row there; the
-    `hsx` backend (hsx_client.speculators_backend) fetches each row's states from the
+    `hsx` backend (hsx_client.training.speculators_backend) fetches each row's states from the
     servers instead. The per-sample id files make the run crash-safe and resumable like a
     full one (stored atomically, checksummed in the manifest, read back by finalize).
 
@@ -31,10 +31,10 @@ import torch
 
 from hsx import wire
 
-from hsx_client.formats.common import (
+from hsx_client.corpus.formats.common import (
     CorpusContext, CorpusFormatError, SampleOutput, check_decoded, check_tokens, make_record, record_problems,
 )
-from hsx_client.formats.speculators import SpeculatorsFormat, sample_file_parts
+from hsx_client.corpus.formats.speculators import SpeculatorsFormat, sample_file_parts
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -53,7 +53,7 @@ def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class SpeculatorsTokensFormat(SpeculatorsFormat):
     """speculators' table without states (`--states none`); see the module doc."""
 
-    format_facts = {"states": "none", "train_with": "--hidden-states-backend hsx (python -m hsx_client.speculators_train)"}
+    format_facts = {"states": "none", "train_with": "--hidden-states-backend hsx (python -m hsx_client.training.speculators_train)"}
     needs_states = False
 
     @staticmethod

@@ -10,10 +10,10 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from . import plan as planning
-from .api import HsxClient
-from .errors import HsxError
-from .plan import ConfigError
+from hsx_client.corpus import plan as planning
+from hsx_client.api import HsxClient
+from hsx_client.errors import HsxError
+from hsx_client.corpus.plan import ConfigError
 
 
 @dataclass

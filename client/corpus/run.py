@@ -23,7 +23,7 @@ Stopping (Ctrl-C, `request_stop`): no new sample starts, requests in flight are
 cancelled (those samples are simply not done), stores already running finish.
 
 `RunHooks` are the loop's small callbacks (the benchmark times the fan-out with them).
-The state the workers share is one `RunState`. With `--workers N` (hsx_client.workers)
+The state the workers share is one `RunState`. With `--workers N` (hsx_client.corpus.workers)
 each worker process runs this loop open-ended (samples arrive through `add`), its
 manifest and failed log stand-ins sending the lines to the parent, the one writer.
 """
@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import store
-from .api import HsxClient, Lease, RawResponse
-from .errors import (
+from hsx_client.corpus import store
+from hsx_client.api import HsxClient, Lease, RawResponse
+from hsx_client.errors import (
     AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError, ServersUnreachableError,
 )
-from .plan import DROPPED
-from .progress import Progress
+from hsx_client.corpus.plan import DROPPED
+from hsx_client.corpus.progress import Progress
 
 log = logging.getLogger("hsx.extract")
 
@@ -194,7 +194,7 @@ class RunLoop:
         self._phase: dict[asyncio.Task[Any], str] = {}
         self._signals = StopSignals(self.request_stop)
         self._pool: ThreadPoolExecutor | None = None
-        # open_ended (a worker process, hsx_client.workers): samples keep arriving through
+        # open_ended (a worker process, hsx_client.corpus.workers): samples keep arriving through
         # `add` until `close_feed`; an empty queue then waits instead of ending the loop.
         self._open = open_ended
         self._more: asyncio.Event | None = None
@@ -385,7 +385,7 @@ class RunLoop:
             decoded = raw.decode()
         except Exception as exc:
             raise SampleEncodeError(f"{type(exc).__name__}: {exc}") from exc
-        from .formats.common import drop_reason  # the formats import torch: not at this module's import
+        from hsx_client.corpus.formats.common import drop_reason  # the formats import torch: not at this module's import
 
         dropped = drop_reason(st.fmt, decoded.loss_mask)  # nothing to train on: all masked, or the format's rule
         if dropped:

@@ -1,6 +1,6 @@
 """Which shard this process extracts (`hsx extract --shard I/N`): from the flags, else the
 scheduler's environment. What a shard is, and how it is cut from the global plan, is
-hsx_client.plan's ("Shards").
+hsx_client.corpus.plan's ("Shards").
 
 Where I and N come from (first match wins):
   --shard I/N                                        (or --shard I with --num-shards N)
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .plan import ShardError, ShardSpec
+from hsx_client.corpus.plan import ShardError, ShardSpec
 
 
 def _int(name: str, value: str) -> int:

@@ -9,7 +9,7 @@ speculators 0.9 (`speculators train --data-path DIR --on-missing raise`)
                                       `set_format("torch")`): input_ids int64, loss_mask int64 0/1,
                                       seq_len; row i <-> hs_i (speculators' reader is positional
                                       and drops a row whose token_ids differ from input_ids)
-    token_freq.pt, d2t-{K}.npy, t2d-{K}.npy    vocab mapping (client/vocab.py)
+    token_freq.pt, d2t-{K}.npy, t2d-{K}.npy    vocab mapping (client/corpus/vocab.py)
     hsx_format.json                   format facts (mask policy, counts, compaction)
 
     Variants (`hsx extract --states none` / `--dtype fp8`, picked by `format_options` of a
@@ -36,12 +36,12 @@ The sample record (kept in the manifest, given back to `finalize` / `verify_samp
 
 from __future__ import annotations
 
-from hsx_client.formats.common import (
+from hsx_client.corpus.formats.common import (
     COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormat, CorpusFormatError, SampleOutput, mask_to_runs,
     runs_to_mask,
 )
-from hsx_client.formats.specforge import SpecForgeFormat
-from hsx_client.formats.speculators import SpeculatorsFormat
+from hsx_client.corpus.formats.specforge import SpecForgeFormat
+from hsx_client.corpus.formats.speculators import SpeculatorsFormat
 
 _FORMATS = {"speculators": SpeculatorsFormat, "specforge": SpecForgeFormat}
 
@@ -61,7 +61,7 @@ def get_format(name: str, **options: str) -> CorpusFormat:
     if name not in _FORMATS:
         raise ValueError(f"unknown corpus format {name!r} (choose from {sorted(_FORMATS)})")
     if format_options(options):
-        from hsx_client.formats.speculators_variants import variant_format
+        from hsx_client.corpus.formats.speculators_variants import variant_format
 
         return variant_format(name, **{**FORMAT_OPTIONS, **options})
     return _FORMATS[name]()

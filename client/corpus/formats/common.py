@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from hsx import dtypes
-from hsx_client import store
+from hsx_client.corpus import store
 from hsx_client.postnorm import FinalNorm
 
 if TYPE_CHECKING:

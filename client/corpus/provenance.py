@@ -2,7 +2,7 @@
 
 `finalize` gets only the done samples, `(index, record)` sorted by index; a failed index
 is simply absent, and what the format does with the gap (compact the indices or keep
-them) is its business (see hsx_client.formats). `hsx_corpus.json` is written last,
+them) is its business (see hsx_client.corpus.formats). `hsx_corpus.json` is written last,
 atomically, so its presence marks a finished corpus: the model, layers, chat template,
 max length, versions, counts, the failed indices and checksums of finalize's files.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 from hsx import __version__ as hsx_version
 
-from . import store
-from .plan import split_dropped
+from hsx_client.corpus import store
+from hsx_client.corpus.plan import split_dropped
 
 
 def files_digest(out: Path, rels: list[str]) -> dict[str, dict[str, Any]]:

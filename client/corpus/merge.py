@@ -61,12 +61,12 @@ from typing import Any
 
 from hsx import __version__ as hsx_version
 
-from . import store
-from .formats import CorpusContext, format_options, get_format
-from .merge_check import PER_SHARD_CORPUS_FIELDS, MergeRefused, Shard, load_all
-from .plan import PLAN_VERSION, split_dropped
-from .provenance import files_digest
-from .verify import renumbered_path
+from hsx_client.corpus import store
+from hsx_client.corpus.formats import CorpusContext, format_options, get_format
+from hsx_client.corpus.merge_check import PER_SHARD_CORPUS_FIELDS, MergeRefused, Shard, load_all
+from hsx_client.corpus.plan import PLAN_VERSION, split_dropped
+from hsx_client.corpus.provenance import files_digest
+from hsx_client.corpus.verify import renumbered_path
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
 FAULT_ENV = "HSX_FAULT_MERGE"
