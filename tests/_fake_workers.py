@@ -1,4 +1,4 @@
-"""Worker-process stand-ins for tests/test_workers.py (module level: 'spawn' imports them).
+"""Worker-process stand-ins for tests/client/corpus/test_workers.py (module level: 'spawn' imports them).
 
 They speak hsx_client.corpus.workers' pipe protocol and store real files, but fetch nothing; how
 they misbehave is in spec.corpus['settings']: `die_after` (SIGKILL themselves after that many stored

@@ -13,7 +13,7 @@ import numpy as np
 
 from hsx import wire
 from hsx_client.corpus import extract as ex
-from test_extract_unit import FakeFormat, FakeServer, hooks
+from _extract_fakes import FakeFormat, FakeServer, hooks
 
 L, H = 4, 8
 

@@ -108,7 +108,7 @@ def merge_job():
 
 def client_env_names() -> set[str]:
     """HSX_* variables `hsx extract` reads: ClientSettings' fields and the shard count."""
-    assert "HSX_NUM_SHARDS" in (ROOT / "client" / "shard.py").read_text()
+    assert "HSX_NUM_SHARDS" in (ROOT / "client" / "corpus" / "shard.py").read_text()
     return {"HSX_" + name.upper() for name in ClientSettings.model_fields} | {"HSX_NUM_SHARDS"}
 
 

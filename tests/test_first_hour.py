@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 from _first_hour import H, L, EagleFormat, InfoServer, refused_and_untouched, run
-from test_extract_unit import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
+from _extract_fakes import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
 
 from _server import CHAT, REPO
 from hsx import wire
@@ -65,7 +65,7 @@ def readme_snippet() -> str:
 
 
 def test_readme_snippet_is_a_script_that_fails_within_seconds_against_a_dead_url(tmp_path):
-    from test_client_api import dead_url
+    from _client_fakes import dead_url
 
     code = readme_snippet()
     compile(code, "README.md", "exec")  # `async with` at top level was a SyntaxError

@@ -43,7 +43,7 @@ SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
 
 def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, L, H] -> (float8_e4m3fn [T, L, H], float32 scales [T, 1, 1]), the same bits as
-    hs_connectors.fp8_utils.quantize_tensor_to_fp8 (tests/test_speculators_variants.py)."""
+    hs_connectors.fp8_utils.quantize_tensor_to_fp8 (tests/client/training/test_speculators_variants.py)."""
     fp32 = states.float()
     amax = fp32.abs().amax(dim=tuple(range(1, fp32.dim())), keepdim=True)
     scale = (amax / FP8_MAX).clamp(min=1e-12)

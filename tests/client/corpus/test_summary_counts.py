@@ -3,7 +3,7 @@ reasons, per-server requests of the fan-out alone, worker processes' counts adde
 truncation with --states none, --quiet), the silent losses it now names (tools a chat
 template ignores, SpecForge samples supervised only on their last token) and the online
 trainer's CPU route. The same against a real server: tests/test_first_hour_e2e.py and
-tests/test_speculators_online.py."""
+tests/e2e/test_speculators_online.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from _first_hour import L, H, InfoServer, run
-from test_extract_unit import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
+from _extract_fakes import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
 
 from hsx import wire
 from hsx_client.corpus import cli

@@ -4,7 +4,7 @@ dropped and failed samples away, hsx_compaction.json) is repaired in place like 
 (under its plan index, then finalize moves it to its place again) and the corpus verifies,
 the repaired file byte for byte the original. Without an engine (the real client and
 formats against the in-process fake server); the same on a real engine and the OASST
-fixture is tests/test_repair_e2e.py."""
+fixture is tests/e2e/test_repair_e2e.py."""
 
 from __future__ import annotations
 

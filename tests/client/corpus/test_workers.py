@@ -1,7 +1,7 @@
 """hsx_client.corpus.workers' parent (WorkerPool) with stand-in worker processes (tests/_fake_workers):
 the one manifest writer, every sample once when a worker is SIGKILLed, a resumable stop when
 workers keep dying or report an error, a stop request; the --workers default and flag.
-The real worker (HsxClient + RunLoop against `hsx serve`) is tests/test_extract_workers_e2e.py."""
+The real worker (HsxClient + RunLoop against `hsx serve`) is tests/e2e/test_extract_workers_e2e.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The speculators corpus variants (`--states none`, `--dtype fp8`) and the `hsx` backend's
 offline parts, against speculators' and hs_connectors' own code; no engine (the online
-path with real servers is tests/test_speculators_online.py)."""
+path with real servers is tests/e2e/test_speculators_online.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 that drops samples (speculators renumbers its samples at finalize; SpecForge keeps holes),
 one sample file corrupted; `hsx verify` names it, rerunning the same `hsx extract` redoes
 exactly that sample and puts it where it was, `hsx verify` passes and the repaired file is
-byte for byte the original. The fast, fake-server version is tests/test_repair_in_place.py."""
+byte for byte the original. The fast, fake-server version is tests/client/corpus/test_repair_in_place.py."""
 
 from __future__ import annotations
 

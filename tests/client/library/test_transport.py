@@ -206,7 +206,7 @@ async def test_pooled_connection_closed_by_the_server_is_retried_by_hsx_client()
     """The server closes a keep-alive connection just as the next request arrives (its idle
     timeout): HsxClient sends it again on a new connection (POST /hidden_states is safe to
     replay: a prefill is a pure function of the body)."""
-    from test_client_api import make_body
+    from _client_fakes import make_body
 
     def script(sock, i):
         if i == 1:  # the second request, on the pooled connection: no answer, closed

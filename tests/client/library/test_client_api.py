@@ -14,6 +14,7 @@ import pytest
 import zstandard
 
 from _asgi import read_body, serve_lifespan
+from _client_fakes import dead_url, make_body
 from hsx import wire
 from hsx_client.api import HsxClient
 from hsx_client.errors import (
@@ -27,20 +28,6 @@ from hsx_client.errors import (
 )
 
 L, H = 4, 8
-
-
-def make_body(ids: list[int], request_id: str = "rid") -> bytes:
-    t = len(ids)
-    hs = np.arange(t * L * H, dtype=np.float32).reshape(t, L, H)
-    tok = np.asarray(ids, dtype=np.int64)
-    mask = np.ones(t, dtype=np.uint8)
-    specs = [
-        wire.TensorSpec("hidden_states", "F32", (t, L, H)),
-        wire.TensorSpec("token_ids", "I64", (t,)),
-        wire.TensorSpec("loss_mask", "U8", (t,)),
-    ]
-    meta = {"layer_ids": json.dumps([2, 4, 6, 8]), "request_id": request_id, "format": wire.FORMAT}
-    return wire.encode_header(specs, meta) + hs.tobytes() + tok.tobytes() + mask.tobytes()
 
 
 def error_response(status: int, etype: str, message: str, rid: str = "srv-rid", headers=None) -> httpx.Response:
@@ -128,13 +115,6 @@ def live_server():
     th.join(5)
     sock.close()
 
-
-def dead_url() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens: connection refused
-    return f"http://127.0.0.1:{port}"
 
 
 # ------------------------------------------------------------------ tests

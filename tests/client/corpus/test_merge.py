@@ -1,6 +1,6 @@
 """Issue 14, `hsx merge`: shards of one run -> one corpus, equal to a single client's, without
 an engine (the real client, formats and reader against an in-process fake server; the
-engine end to end with the trainers' readers is tests/test_shard_e2e.py).
+engine end to end with the trainers' readers is tests/e2e/test_shard_e2e.py).
 
 - merged == single-client corpus (same keys in the same order, same ids, masks and states,
   same token_freq / d2t / t2d / vocab_mapping), `hsx verify` passes, shards stay intact and
