@@ -47,7 +47,7 @@ from hsx import __version__ as hsx_version
 from hsx import bf16split, wire
 from hsx_client import shm
 from hsx_client.servers import ServerSet, ServerState
-from hsx_client.settings import DEFAULTS
+from hsx_client.settings import COMPRESSIONS, DEFAULTS, TRANSFERS, ClientSettings
 from hsx_client.zstd_stream import ZstdBodyDecoder
 
 from .errors import (
@@ -99,9 +99,6 @@ def _finish_body(raw: bytes, encoding: str) -> bytes:
     return raw
 
 
-CODINGS = ("auto", "zstd", "bf16split", "none")
-
-
 def _accept(lease: bool, split: bool) -> str:
     kinds = ([wire.LEASE_MEDIA_TYPE] if lease else []) + ([bf16split.MEDIA_TYPE] if split else [])
     return ", ".join([*kinds, f"{wire.MEDIA_TYPE};q=0.5"]) if kinds else wire.MEDIA_TYPE
@@ -132,10 +129,10 @@ class HsxClient:
         compression: str = DEFAULTS.compression,
         transfer: str = DEFAULTS.transfer,
     ) -> None:
-        if compression not in CODINGS:
-            raise ValueError(f"compression must be one of {', '.join(CODINGS)}, not {compression!r}")
-        if transfer not in ("auto", "http"):
-            raise ValueError(f"transfer must be auto or http, not {transfer!r}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, not {compression!r}")
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, not {transfer!r}")
         if isinstance(servers, str):
             servers = [servers]
         urls = [s.rstrip("/") for s in servers if s and s.strip()]
@@ -161,7 +158,15 @@ class HsxClient:
         self.compression = compression
         self.transfer = transfer
 
-    def _coding_for(self, url: str) -> str:
+    @classmethod
+    def from_settings(cls, settings: ClientSettings, **kw: Any) -> HsxClient:
+        """A client for the connection `settings` describe (its servers too); `kw`: the other arguments."""
+        return cls(settings.server, api_key=settings.api_key, concurrency_per_server=settings.concurrency_per_server,
+                   timeout=settings.timeout, max_attempts=settings.max_attempts,
+                   unhealthy_cooldown=settings.unhealthy_cooldown, compression=settings.compression,
+                   transfer=settings.transfer, **kw)
+
+    def _compression_for(self, url: str) -> str:
         """identity, zstd or bf16split. Compression costs ~0.5-1 GB/s per core at each end
         (bench/README.md), more than a loopback or same-host link is worth: `auto` asks
         identity from local servers and zstd from the others. Not bf16split, although it
@@ -172,7 +177,7 @@ class HsxClient:
         return "identity" if self.compression == "none" else self.compression
 
     def _encoding_for(self, url: str) -> str:
-        return "identity" if self._coding_for(url) == "identity" else "zstd"
+        return "identity" if self._compression_for(url) == "identity" else "zstd"
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "HsxClient":
@@ -364,7 +369,7 @@ class HsxClient:
         http = self._ensure_open()
         headers = {
             "Content-Type": "application/json",
-            "Accept": _accept(arena is not None, self._coding_for(server.url) == "bf16split"),
+            "Accept": _accept(arena is not None, self._compression_for(server.url) == "bf16split"),
             "Accept-Encoding": self._encoding_for(server.url),
             "X-Request-Id": rid,
         }

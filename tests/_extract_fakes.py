@@ -18,6 +18,7 @@ import safetensors.numpy
 from hsx import wire
 from hsx_client.corpus import extract as ex
 from hsx_client.corpus import store
+from hsx_client.settings import ClientSettings
 
 L, H = 4, 8
 
@@ -156,9 +157,11 @@ def data(tmp_path):
 
 
 def cfg_for(data, out, **kw):
+    connection = {k: kw.pop(k) for k in list(kw) if k in ClientSettings.model_fields}
     base = dict(
-        servers=["http://s1", "http://s2"], output=out, inputs=[str(data)], format="fake", seed=7,
-        concurrency_per_server=3, quiet=True, max_attempts=3, unhealthy_cooldown=0.05, write_workers=3,
+        client=ClientSettings.given(["http://s1", "http://s2"], **{
+            "concurrency_per_server": 3, "max_attempts": 3, "unhealthy_cooldown": 0.05, **connection}),
+        output=out, inputs=[str(data)], format="fake", seed=7, quiet=True, write_workers=3,
     )
     base.update(kw)
     return ex.ExtractConfig(**base)

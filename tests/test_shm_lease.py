@@ -29,6 +29,7 @@ from hsx_client.corpus import formats
 from hsx_client import shm
 from hsx_client.api import HsxClient
 from hsx_client.errors import LeaseExpiredError
+from hsx_client.settings import ClientSettings
 from hsx_client.corpus.verify import verify_corpus
 from hsx_service.arena import ALIGN, Allocator, SharedArena
 from hsx_service.lease import ArenaSocket, Leases, boot_id
@@ -300,8 +301,9 @@ def _extract_with(server, fmt, prompts: list[list[int]], tmp_path: Path):
     inputs.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
     hooks = hx.default_hooks()
     hooks.get_format = lambda name: fmt
-    cfg = hx.ExtractConfig(servers=[server.url], output=tmp_path / "corpus", inputs=[str(inputs)],
-                           format="speculators", api_key=KEY, concurrency_per_server=2, quiet=True, shuffle=False)
+    cfg = hx.ExtractConfig(client=ClientSettings.given([server.url], api_key=KEY, concurrency_per_server=2),
+                           output=tmp_path / "corpus", inputs=[str(inputs)], format="speculators", quiet=True,
+                           shuffle=False)
     return hx.run_extract(cfg, hooks)
 
 

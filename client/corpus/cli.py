@@ -14,23 +14,22 @@ import argparse
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from hsx_client.settings import DEFAULTS, ClientSettings, default_workers
+from hsx_client.settings import COMPRESSIONS, DEFAULTS, TRANSFERS, ClientSettings, default_workers
 
-EXTRACT_EPILOG = """\
-exit codes:
-  0    complete: every planned sample stored, or dropped by policy (no supervised token
-       after truncation: nothing to train on; counted in the summary)
-  1    run failed: stopped on an error (rerun the same command to resume), or finished
-       with failed samples (the corpus holds the others; --retry-failed retries them)
-  2    refused before any work: usage, no usable input rows, settings differ from the plan,
-       pre-flight against the servers' /info (layers, draft vocab, max length, chat
-       template), dir locked or not writable, disk too small, auth
-  130  interrupted (rerun the same command to resume)
+def exit_codes_help() -> str:
+    """extract.EXIT_CODES as the help's table: the codes' one text."""
+    from hsx_client.corpus.extract import EXIT_CODES
 
+    wrap = textwrap.TextWrapper(width=88, subsequent_indent=" " * 7, break_on_hyphens=False)
+    return "exit codes:\n" + "".join(f"  {code:<4} " + wrap.fill(text) + "\n" for code, text in EXIT_CODES.items())
+
+
+EXTRACT_EPILOG = """
 Defaults that come from the servers: --max-length is the smallest max_tokens_per_request
 of the servers (recorded in the plan), longer samples are cut by --truncation (right).
 The summary counts what was cut, dropped and failed, by reason; unusable input rows are
@@ -41,6 +40,10 @@ whose files are missing or of the wrong size are redone; after `hsx verify DIR` 
 samples (listed in DIR/verify.json), the next run redoes exactly those; `--verify` re-checks
 every stored sample's checksum before resuming.
 """
+
+
+# The connection flags, ClientSettings' fields of the same names.
+CONNECTION_FLAGS = ("concurrency_per_server", "compression", "transfer", "api_key", "timeout", "max_attempts")
 
 
 def _layers(s: str) -> list[int]:
@@ -63,7 +66,7 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
     p = argparse.ArgumentParser(
         prog="hsx extract",
         description="Fan a dataset out over hsx servers and write an EAGLE-3 training corpus.",
-        epilog=EXTRACT_EPILOG,
+        epilog=exit_codes_help() + EXTRACT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--server", action="append", dest="servers", metavar="URL",
@@ -101,11 +104,11 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                         "Slurm: SLURM_ARRAY_TASK_COUNT)")
     p.add_argument("--concurrency-per-server", type=_positive, default=env.concurrency_per_server,
                    help=f"requests in flight per server (default {DEFAULTS.concurrency_per_server})")
-    p.add_argument("--compression", choices=["auto", "zstd", "bf16split", "none"], default=env.compression,
-                   help="response coding: zstd (~1.27x), bf16split (bf16 exponent planes, ~1.5x; zstd for "
+    p.add_argument("--compression", choices=COMPRESSIONS, default=env.compression,
+                   help="response compression: zstd (~1.27x), bf16split (bf16 exponent planes, ~1.5x; zstd for "
                         "other dtypes), none; auto = none from local servers, zstd from servers on "
                         "other hosts (bf16split measured slower to decode, bench/README.md) (default auto; env HSX_COMPRESSION)")
-    p.add_argument("--transfer", choices=["auto", "http"], default=env.transfer,
+    p.add_argument("--transfer", choices=TRANSFERS, default=env.transfer,
                    help="auto: a server on this host hands over the states in shared memory (a lease) "
                         "instead of an HTTP body, when it offers that and this process may map it; "
                         "http: always bodies (default auto; env HSX_TRANSFER)")
@@ -156,8 +159,9 @@ def extract_main(argv: list[str] | None = None) -> int:
         print(f"hsx extract: {exc}", file=sys.stderr)
         return 2
 
+    flags = {k: getattr(args, k) for k in CONNECTION_FLAGS}  # their defaults: the environment's values
     cfg = ExtractConfig(
-        servers=servers,
+        client=ClientSettings.given(servers, **{**env.model_dump(exclude={"server"}), **flags}),
         output=args.output,
         inputs=args.inputs,
         format=args.format,
@@ -171,12 +175,6 @@ def extract_main(argv: list[str] | None = None) -> int:
         max_samples=args.max_samples,
         states=args.states,
         dtype=args.dtype,
-        concurrency_per_server=args.concurrency_per_server,
-        compression=args.compression,
-        transfer=args.transfer,
-        api_key=args.api_key,
-        timeout=args.timeout,
-        max_attempts=args.max_attempts,
         resume=args.resume,
         verify=args.verify,
         retry_failed=args.retry_failed,

@@ -27,10 +27,7 @@ Failed and dropped samples: see hsx_client.corpus.run; finalize leaves them out,
 flight, let stores already running finish, exit 130. A second Ctrl-C exits at once; the
 state is still consistent (a kill -9 is too: see hsx_client.corpus.store).
 
-Exit codes (EXIT_CODES, also in `hsx extract --help`): 0 complete (every planned sample
-stored or dropped by policy); 1 run failed: stopped on an error (resumable), or finished
-with samples that failed (the corpus holds the others); 2 refused before any work (usage,
-settings, input, pre-flight, lock, disk, auth); 130 interrupted.
+Exit codes: EXIT_CODES (printed by `hsx extract --help`).
 """
 
 from __future__ import annotations
@@ -53,25 +50,28 @@ from hsx_client.corpus.preflight import check_chat_template, preflight, token_ra
 from hsx_client.corpus.progress import Progress, format_summary, reason_counts
 from hsx_client.corpus.provenance import finalize
 from hsx_client.corpus.run import EXIT_INTERRUPTED, RunHooks, RunLoop, RunState
-from hsx_client.settings import DEFAULTS
+from hsx_client.settings import ClientSettings
 from hsx_client.corpus.template_tools import tools_not_rendered
 from hsx_client.corpus.verify import verify_corpus, verify_samples
 from hsx_client.corpus.workers import WorkerPool, worker_count, worker_spec
 
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
+# The one text of the exit codes: `hsx extract --help` prints it (cli.exit_codes_help).
 EXIT_CODES = {
-    EXIT_OK: "complete: every planned sample stored, or dropped by policy (no supervised token)",
+    EXIT_OK: "complete: every planned sample stored, or dropped by policy (no supervised token "
+             "after truncation: nothing to train on; counted in the summary)",
     EXIT_ERROR: "run failed: stopped on an error (rerun the same command to resume), or finished "
                 "with failed samples (the corpus holds the others; --retry-failed retries them)",
-    EXIT_REFUSED: "refused before any work: usage, settings differ from the plan, no usable input rows, "
-                  "pre-flight against the servers, dir locked or not writable, disk too small, auth",
+    EXIT_REFUSED: "refused before any work: usage, no usable input rows, settings differ from the plan, "
+                  "pre-flight against the servers' /info (layers, draft vocab, max length, chat "
+                  "template), dir locked or not writable, disk too small, auth",
     EXIT_INTERRUPTED: "interrupted (rerun the same command to resume)",
 }
 
 
 @dataclass
 class ExtractConfig:
-    servers: list[str]
+    client: ClientSettings  # the connection, servers included (defaults: hsx_client.settings)
     output: Path
     inputs: list[str] | None = None
     # The corpus settings (plan.PLAN_KEYS); None: not given (the plan's value, else the default).
@@ -86,14 +86,6 @@ class ExtractConfig:
     max_samples: int | None = None
     states: str | None = None  # all | none (speculators' token table only)
     dtype: str | None = None  # auto | fp8
-    # The connection (defaults: hsx_client.settings).
-    concurrency_per_server: int = DEFAULTS.concurrency_per_server
-    compression: str = DEFAULTS.compression  # auto: zstd from remote servers only (see HsxClient)
-    transfer: str = DEFAULTS.transfer  # auto: same-host servers' states read from shared memory (leases)
-    api_key: str | None = DEFAULTS.api_key
-    timeout: float = DEFAULTS.timeout
-    max_attempts: int = DEFAULTS.max_attempts
-    unhealthy_cooldown: float = DEFAULTS.unhealthy_cooldown
     # This run.
     resume: bool = False
     verify: bool = False
@@ -180,12 +172,7 @@ class Extractor:
         return result
 
     def _client(self) -> HsxClient:
-        cfg = self.cfg
-        return HsxClient(
-            cfg.servers, api_key=cfg.api_key, concurrency_per_server=cfg.concurrency_per_server,
-            timeout=cfg.timeout, max_attempts=cfg.max_attempts, unhealthy_cooldown=cfg.unhealthy_cooldown,
-            transport=self.transport, compression=cfg.compression, transfer=cfg.transfer,
-        )
+        return HsxClient.from_settings(self.cfg.client, transport=self.transport)
 
     async def _run_locked(self) -> ExtractResult:
         cfg, out, hooks = self.cfg, self.out, self.hooks
@@ -295,9 +282,9 @@ class Extractor:
 
     def _loop(self, state: RunState, client: HsxClient) -> RunLoop | WorkerPool:
         cfg = self.cfg
-        workers = worker_count(cfg.workers, cfg.concurrency_per_server)
+        workers = worker_count(cfg.workers, cfg.client.concurrency_per_server)
         if workers <= 1:
-            return RunLoop(state, concurrency=cfg.concurrency_per_server * len(client.servers),
+            return RunLoop(state, concurrency=cfg.client.concurrency_per_server * len(client.servers),
                            write_workers=cfg.write_workers, handle_signals=cfg.handle_signals, hooks=self.run_hooks)
         if self.transport is not None:
             raise ConfigError("workers > 1 need real connections (a test transport stays in this process)")

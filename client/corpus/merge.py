@@ -60,6 +60,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hsx import __version__ as hsx_version
+from hsx.host import usable_cores
 
 from hsx_client.corpus import store
 from hsx_client.corpus.formats import CorpusContext, format_options, get_format
@@ -246,7 +247,7 @@ class Merger:
     def __init__(self, out: Path, shard_dirs: list[Path], *, workers: int | None = None, quiet: bool = True):
         self.out = Path(out)
         self.shard_dirs = [Path(p) for p in shard_dirs]
-        self.workers = workers or max(2, min(8, 2 * (os.cpu_count() or 2)))
+        self.workers = workers or max(2, min(8, 2 * usable_cores()))
         self.quiet = quiet
         self.placer = Placer()
 

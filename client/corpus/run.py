@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsx.host import usable_cores
 from hsx_client.corpus import store
 from hsx_client.api import HsxClient, Lease, RawResponse
 from hsx_client.errors import (
@@ -142,7 +143,7 @@ class _HeldLease:
 
 def default_write_workers() -> int:
     """Store threads of one loop: decode, hash and fsync release the GIL."""
-    return max(4, min(16, (os.cpu_count() or 4) * 2))
+    return max(4, min(16, usable_cores() * 2))
 
 
 class StopSignals:

@@ -16,7 +16,6 @@ the corpus (`..`, a symlink) is a problem of its sample, never opened (store.ins
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from hsx.host import usable_cores
 from hsx_client.corpus import store
 from hsx_client.corpus.plan import ConfigError, failed_for_good, load_plan, split_dropped
 
@@ -66,7 +66,7 @@ def verify_samples(
 
         bar = tqdm(total=len(done), desc="verify", unit="sample", file=sys.stderr, dynamic_ncols=True)
     bad = []
-    with ThreadPoolExecutor(max_workers=workers or max(2, min(16, (os.cpu_count() or 2)))) as pool:
+    with ThreadPoolExecutor(max_workers=workers or max(2, min(16, usable_cores()))) as pool:
         for r in pool.map(one, sorted(done.items())):
             if bar is not None:
                 bar.update(1)

@@ -44,10 +44,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from hsx_client.corpus import store
-from hsx_client.malloc_tuning import keep_large_blocks
 from hsx_client.corpus.plan import DROPPED
 from hsx_client.corpus.progress import add_stats
 from hsx_client.corpus.run import RunHooks, RunLoop, RunState, StopSignals, default_write_workers
+from hsx_client.malloc_tuning import keep_large_blocks
+from hsx_client.settings import ClientSettings
 
 log = logging.getLogger("hsx.extract")
 
@@ -63,7 +64,7 @@ class WorkerError(Exception):
 class WorkerSpec:
     """What a worker process needs (pickled once, at its start)."""
 
-    client_args: dict[str, Any]  # HsxClient(**client_args): servers, api key, timeouts, ...
+    client: ClientSettings  # this worker's connection: its share of the requests in flight per server
     corpus: dict[str, Any]  # RunState's corpus side (CORPUS_FIELDS), as the parent has it
     concurrency: int  # requests in flight in this worker, over all servers
     write_workers: int
@@ -132,7 +133,7 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
 async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec, books: dict[str, Any]) -> str | None:
     from hsx_client.api import HsxClient
 
-    async with HsxClient(**spec.client_args) as client:
+    async with HsxClient.from_settings(spec.client) as client:
         state = RunState(
             client=client, **spec.corpus, by_key={},
             manifest=_LogToParent(outbox, "stored"), failed_log=_LogToParent(outbox, "failed"),
@@ -363,13 +364,9 @@ def worker_count(requested: int, concurrency_per_server: int) -> int:
 def worker_spec(cfg: Any, state: RunState, *, workers: int, servers: list[str]) -> WorkerSpec:
     """The spec of one of `workers` workers: the run's requests in flight and store threads
     shared among them (--concurrency-per-server stays the total per server)."""
-    per_server = max(1, math.ceil(cfg.concurrency_per_server / workers))
+    per_server = max(1, math.ceil(cfg.client.concurrency_per_server / workers))
     return WorkerSpec(
-        client_args=dict(
-            servers=servers, api_key=cfg.api_key, concurrency_per_server=per_server, timeout=cfg.timeout,
-            max_attempts=cfg.max_attempts, unhealthy_cooldown=cfg.unhealthy_cooldown,
-            compression=cfg.compression, transfer=cfg.transfer,
-        ),
+        client=cfg.client.model_copy(update={"server": servers, "concurrency_per_server": per_server}),
         corpus={f: getattr(state, f) for f in CORPUS_FIELDS}, concurrency=per_server * len(servers),
         write_workers=cfg.write_workers or max(2, math.ceil(default_write_workers() / workers)),
     )

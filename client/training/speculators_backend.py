@@ -50,7 +50,8 @@ import torch
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
 from hsx_client.errors import (AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError,
-                     ServersUnreachableError)
+                               ServersUnreachableError)
+from hsx_client.settings import DEFAULTS, TRANSFERS
 
 log = logging.getLogger("hsx.speculators")
 
@@ -97,12 +98,12 @@ def settings_from_args(args: argparse.Namespace, data_path: str) -> HsxSettings:
     except ValueError:
         raise ValueError(f"--hsx-layers wants comma-separated integers, got {layers!r}") from None
     transfer = getattr(args, "hsx_transfer", None) or "auto"
-    if transfer not in ("auto", "http"):
-        raise ValueError(f"--hsx-transfer must be auto or http, not {transfer!r}")
+    if transfer not in TRANSFERS:
+        raise ValueError(f"--hsx-transfer must be one of {', '.join(TRANSFERS)}, not {transfer!r}")
     return HsxSettings(
         servers=urls, data_path=str(data_path), api_key=key,
-        timeout=float(getattr(args, "hsx_timeout", None) or 600.0),
-        max_attempts=int(getattr(args, "hsx_max_attempts", None) or 10),
+        timeout=float(getattr(args, "hsx_timeout", None) or DEFAULTS.timeout),
+        max_attempts=int(getattr(args, "hsx_max_attempts", None) or DEFAULTS.max_attempts),
         transfer=transfer, layers=layer_ids, on_missing=getattr(args, "on_missing", "generate") or "generate",
     )
 
@@ -289,7 +290,7 @@ if BACKEND_NAME not in HiddenStatesBackend.registry:
                  help="file holding the hsx servers' API key (not a flag: speculators records flags in run.yaml)")
             _add(parser, "--hsx-timeout", type=float, default=600.0, help="seconds per hsx request (default 600)")
             _add(parser, "--hsx-max-attempts", type=int, default=10, help="attempts per row over the hsx servers (default 10)")
-            _add(parser, "--hsx-transfer", type=str, choices=["auto", "http"], default="auto",
+            _add(parser, "--hsx-transfer", type=str, choices=list(TRANSFERS), default=DEFAULTS.transfer,
                  help="auto: same-host hsx servers hand states over in shared memory; http: always HTTP bodies")
             _add(parser, "--hsx-layers", type=str, default=None,
                  help="layer ids to fetch (default: the corpus's, from hsx_corpus.json, else all served)")

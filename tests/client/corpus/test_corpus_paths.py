@@ -20,6 +20,7 @@ from _shard_helpers import FakeHsx, extract, write_inputs
 import httpx
 
 from hsx_client.corpus import extract as ex
+from hsx_client.settings import ClientSettings
 
 
 @pytest.fixture
@@ -117,7 +118,7 @@ def test_resume_refuses_a_manifest_that_leads_outside(tmp_path, inputs):
     entries, _, _ = store.read_jsonl(out / store.MANIFEST_NAME)
     (rel, meta), = store.latest_by_index(entries)[1]["files"].items()
     rewrite_manifest_files(out, 1, {str(outside_copy(tmp_path, out, rel)): meta})
-    cfg = ex.ExtractConfig(servers=["http://fake"], output=out, inputs=[str(inputs)], format="speculators",
+    cfg = ex.ExtractConfig(client=ClientSettings.given(["http://fake"]), output=out, inputs=[str(inputs)], format="speculators",
                            quiet=True, max_samples=6)
     r = ex.run_extract(cfg, transport=httpx.MockTransport(FakeHsx()))
     assert r.exit_code == 2 and "manifest line for index 1 names a file outside" in r.summary["message"], r.summary

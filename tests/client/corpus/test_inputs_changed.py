@@ -13,11 +13,12 @@ import pytest
 
 from hsx_client.corpus import extract as ex
 from hsx_client.corpus import store
+from hsx_client.settings import ClientSettings
 from _shard_helpers import FakeHsx, extract, write_inputs
 
 
 def rerun(out: Path, inputs: Path) -> ex.ExtractResult:
-    cfg = ex.ExtractConfig(servers=["http://fake"], output=out, inputs=[str(inputs)], format="speculators",
+    cfg = ex.ExtractConfig(client=ClientSettings.given(["http://fake"]), output=out, inputs=[str(inputs)], format="speculators",
                            quiet=True, max_samples=6)
     return ex.run_extract(cfg, transport=httpx.MockTransport(FakeHsx()))
 
@@ -65,7 +66,7 @@ def test_moved_inputs_are_the_same_a_removed_one_is_named(tmp_path):
     assert rerun(out, moved).exit_code == 0
     inputs = moved.rename(inputs)
     other = write_inputs(tmp_path / "other.jsonl", 11)  # another file, other rows
-    cfg = ex.ExtractConfig(servers=["http://fake"], output=out, inputs=[str(other)], format="speculators",
+    cfg = ex.ExtractConfig(client=ClientSettings.given(["http://fake"]), output=out, inputs=[str(other)], format="speculators",
                            quiet=True, max_samples=6)
     r = ex.run_extract(cfg, transport=httpx.MockTransport(FakeHsx()))
     assert r.exit_code == 2 and f"{inputs} is gone" in r.summary["message"] and f"{other} is new" in r.summary["message"]

@@ -16,6 +16,7 @@ import pytest
 from hsx_client.corpus import store
 from hsx_client.corpus.formats import get_format
 from hsx_client.corpus.verify import compaction_moves, verify_corpus
+from hsx_client.settings import ClientSettings
 from _shard_helpers import FakeHsx, extract, write_inputs
 
 # right truncation at 10 tokens leaves some rows with no supervised token: they are dropped
@@ -81,7 +82,7 @@ def test_retry_failed_is_still_refused_after_renumbering(tmp_path):
 
     from hsx_client.corpus import extract as ex
 
-    cfg = ex.ExtractConfig(servers=["http://fake"], output=out, inputs=[str(inputs)], format="speculators",
+    cfg = ex.ExtractConfig(client=ClientSettings.given(["http://fake"]), output=out, inputs=[str(inputs)], format="speculators",
                            quiet=True, retry_failed=True, **SETTINGS)
     r = ex.run_extract(cfg, transport=httpx.MockTransport(FakeHsx()))
     assert r.exit_code == 2 and "--retry-failed would add samples" in r.summary["message"], r.summary
@@ -105,7 +106,7 @@ def test_a_repair_stopped_before_finalize_is_finished_by_the_next_run(tmp_path, 
     def crash(*a, **kw):
         raise OSError(5, "simulated crash before finalize")
 
-    cfg = ex.ExtractConfig(servers=["http://fake"], output=out, inputs=[str(inputs)], format="speculators",
+    cfg = ex.ExtractConfig(client=ClientSettings.given(["http://fake"]), output=out, inputs=[str(inputs)], format="speculators",
                            quiet=True, verify=True, **SETTINGS)
     with monkeypatch.context() as m:
         m.setattr(ex, "finalize", crash)

@@ -12,6 +12,7 @@ from hsx_client.corpus import extract as ex
 from hsx_client.corpus.cli import extract_main
 from hsx_client.corpus.plan import ShardError, ShardSpec, shard_bounds
 from hsx_client.corpus.shard import resolve
+from hsx_client.settings import ClientSettings
 from _shard_helpers import FakeHsx, extract, write_inputs
 
 
@@ -97,7 +98,7 @@ def test_resume_keeps_the_shard_and_refuses_another(tmp_path):
     again = extract(out, inputs)  # no --shard: the plan's shard is kept
     assert again.summary["done"] == 3
     for shard in ((2, 3), (1, 4)):
-        r = ex.run_extract(ex.ExtractConfig(servers=["http://f"], output=out, inputs=[str(inputs)], quiet=True,
+        r = ex.run_extract(ex.ExtractConfig(client=ClientSettings.given(["http://f"]), output=out, inputs=[str(inputs)], quiet=True,
                                             shard=ShardSpec(*shard)),
                            transport=httpx.MockTransport(FakeHsx()))
         assert r.exit_code == 2 and "the plan is shard 1/3" in r.summary["message"]
@@ -105,7 +106,7 @@ def test_resume_keeps_the_shard_and_refuses_another(tmp_path):
 
 def test_more_shards_than_samples_is_refused(tmp_path):
     inputs = write_inputs(tmp_path / "in.jsonl", 3)
-    r = ex.run_extract(ex.ExtractConfig(servers=["http://f"], output=tmp_path / "o", inputs=[str(inputs)],
+    r = ex.run_extract(ex.ExtractConfig(client=ClientSettings.given(["http://f"]), output=tmp_path / "o", inputs=[str(inputs)],
                                         format="speculators", quiet=True, shard=ShardSpec(0, 4)),
                        transport=httpx.MockTransport(FakeHsx()))
     assert r.exit_code == 2 and "fewer than 4 shards" in r.summary["message"]

@@ -15,7 +15,7 @@ from hsx_client.corpus import store
 from hsx_client.corpus.cli import build_extract_parser
 from hsx_client.corpus.progress import Progress
 from hsx_client.corpus.run import RunHooks, RunState
-from hsx_client.settings import default_workers
+from hsx_client.settings import ClientSettings, default_workers
 from hsx_client.corpus.workers import RESTARTS, WorkerError, WorkerPool, WorkerSpec
 from _fake_workers import Sample, fake_worker
 
@@ -30,7 +30,7 @@ def run_pool(tmp_path, workers=2, stop_after=None, **behaviour):
         st = RunState(client=None, fmt=None, ctx=None, out=out, settings=behaviour, served_layers=[], keys=keys,
                       by_key={k: Sample(k, {}) for k in keys}, manifest=manifest, failed_log=failed, done={},
                       failed={}, progress=Progress(N, quiet=True))
-        spec = WorkerSpec(client_args={}, corpus=dict(out=out, settings=behaviour), concurrency=2, write_workers=2)
+        spec = WorkerSpec(client=ClientSettings.given([]), corpus=dict(out=out, settings=behaviour), concurrency=2, write_workers=2)
         hooks = RunHooks(on_stored=lambda st, i, e: len(st.done) == stop_after and pool.request_stop("interrupted"),
                          on_start=lambda st: st.settings.setdefault("started_at", (time.monotonic(), len(st.done))))
         pool = WorkerPool(st, spec, workers=workers, hooks=hooks, target=fake_worker)
@@ -117,8 +117,8 @@ def test_one_worker_is_the_in_process_loop_and_a_test_transport_stays_in_process
 
     client = SimpleNamespace(servers=["http://x"])
     st = SimpleNamespace(**{f: None for f in ("fmt", "ctx", "out", "settings", "served_layers", "keys")})
-    assert type(Extractor(ExtractConfig(servers=["http://x"], output=tmp_path))._loop(st, client)) is RunLoop
-    two = ExtractConfig(servers=["http://x"], output=tmp_path, workers=2)
+    assert type(Extractor(ExtractConfig(client=ClientSettings.given(["http://x"]), output=tmp_path))._loop(st, client)) is RunLoop
+    two = ExtractConfig(client=ClientSettings.given(["http://x"]), output=tmp_path, workers=2)
     assert type(Extractor(two)._loop(st, client)) is WorkerPool
     with pytest.raises(ConfigError, match="real connections"):
         Extractor(two, transport=object())._loop(st, client)
@@ -136,9 +136,9 @@ def test_workers_never_outnumber_the_requests_in_flight(tmp_path):
     assert [worker_count(16, c) for c in (1, 2, 8, 16, 64)] == [1, 2, 8, 16, 16]
     client = SimpleNamespace(servers=["http://x", "http://y"])
     st = SimpleNamespace(**{f: None for f in ("fmt", "ctx", "out", "settings", "served_layers", "keys")})
-    pool = Extractor(ExtractConfig(servers=client.servers, output=tmp_path, workers=16,
-                                   concurrency_per_server=8))._loop(st, client)
+    pool = Extractor(ExtractConfig(client=ClientSettings.given(client.servers, concurrency_per_server=8),
+                                   output=tmp_path, workers=16))._loop(st, client)
     assert type(pool) is WorkerPool and pool.workers == 8
-    assert pool.spec.client_args["concurrency_per_server"] == 1 and pool.spec.concurrency == 2
-    one = ExtractConfig(servers=client.servers, output=tmp_path, workers=16, concurrency_per_server=1)
+    assert pool.spec.client.concurrency_per_server == 1 and pool.spec.concurrency == 2
+    one = ExtractConfig(client=ClientSettings.given(client.servers, concurrency_per_server=1), output=tmp_path, workers=16)
     assert type(Extractor(one)._loop(st, client)) is RunLoop

@@ -37,7 +37,7 @@ def test_one_set_of_defaults(monkeypatch):
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)  # the library's defaults never read the environment
     client = HsxClient("http://a")
-    cfg = ExtractConfig(servers=["http://a"], output="o")
+    cfg = ExtractConfig(client=ClientSettings.given(["http://a"]), output="o").client
     args = cli.build_extract_parser().parse_args(["--output", "o"])
     for name in ("concurrency_per_server", "timeout", "max_attempts", "compression", "transfer"):
         assert getattr(cfg, name) == getattr(args, name) == getattr(DEFAULTS, name), name

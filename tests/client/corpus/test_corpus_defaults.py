@@ -1,0 +1,29 @@
+"""The corpus side's defaults from one owner each: the usable core count (hsx.host, the
+process's CPU affinity, not the machine's count) and the exit codes' text (extract.EXIT_CODES)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hsx_client.corpus import cli, extract, run
+from hsx_client.corpus.merge import Merger
+
+
+@pytest.fixture
+def two_of_sixty_four(monkeypatch):
+    """A container limited to 2 cores of a 64-core machine."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+
+
+def test_thread_defaults_follow_the_usable_cores_not_the_machine(two_of_sixty_four, tmp_path):
+    assert run.default_write_workers() == 4
+    assert Merger(tmp_path / "out", []).workers == 4
+
+
+def test_extract_help_prints_every_exit_code_from_exit_codes():
+    help_text = " ".join(cli.build_extract_parser().format_help().split())
+    for code, text in extract.EXIT_CODES.items():
+        assert f" {code} {' '.join(text.split())}" in help_text
