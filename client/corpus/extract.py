@@ -49,6 +49,7 @@ from hsx_client.corpus.plan import ConfigError
 from hsx_client.corpus.preflight import check_chat_template, preflight, token_ratio, wants_final_norm
 from hsx_client.corpus.progress import Progress, format_summary, reason_counts
 from hsx_client.corpus.provenance import finalize
+from hsx_client.corpus.settings import PLAN_KEYS, CorpusSettings
 from hsx_client.corpus.run import EXIT_INTERRUPTED, RunHooks, RunLoop, RunState
 from hsx_client.settings import ClientSettings
 from hsx_client.corpus.template_tools import tools_not_rendered
@@ -74,7 +75,7 @@ class ExtractConfig:
     client: ClientSettings  # the connection, servers included (defaults: hsx_client.settings)
     output: Path
     inputs: list[str] | None = None
-    # The corpus settings (plan.PLAN_KEYS); None: not given (the plan's value, else the default).
+    # The corpus settings (CorpusSettings' fields); None: not given (the plan's value, else the default).
     format: str | None = None
     mask_policy: str | None = None
     max_length: int | None = None
@@ -187,13 +188,13 @@ class Extractor:
                     f"{out} is not empty and holds no hsx plan ({', '.join(sorted(others)[:5])}...); "
                     "pick an empty or new --output"
                 )
-        settings = planning.resolve_settings({k: getattr(cfg, k) for k in planning.PLAN_KEYS}, plan, out)
-        if settings["format"] is None:
+        settings = CorpusSettings.resolve({k: getattr(cfg, k) for k in PLAN_KEYS}, plan, out)
+        if settings.format is None:
             raise ConfigError("--format is required (speculators or specforge)")
         from hsx_client.corpus.formats import format_options
 
         try:
-            fmt = hooks.get_format(settings["format"], **format_options(settings))
+            fmt = hooks.get_format(settings.format, **format_options(settings))
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         inputs = cfg.inputs if cfg.inputs else (plan["inputs"] if plan else None)
@@ -204,22 +205,22 @@ class Extractor:
         async with self._client() as client:
             info = await client.info()
             infos = await self._check_servers_agree(client, info)
-            settings["layers"] = planning.served_layers(settings["layers"], info)
-            if plan is None and settings["max_length"] is None:  # the servers' limit, recorded in the plan
-                settings["max_length"] = planning.servers_max_tokens(infos.values())
+            settings.layers = planning.served_layers(settings.layers, info)
+            if plan is None and settings.max_length is None:  # the servers' limit, recorded in the plan
+                settings.max_length = planning.servers_max_tokens(infos.values())
             preflight(fmt, settings, info, infos)
             final_norm = await client.final_norm() if wants_final_norm(fmt, info) else None
 
-            samples = planning.Samples.read(hooks.read_samples, inputs, settings["mask_policy"])
+            samples = planning.Samples.read(hooks.read_samples, inputs, settings.mask_policy)
             check_chat_template(samples, infos)
             ctx = hooks.make_context(
-                layer_ids=settings["layers"],
+                layer_ids=settings.layers,
                 hidden_size=int(info["hidden_size"]),
                 dtype=info["dtype"],
                 final_norm=final_norm,
-                draft_vocab_size=settings["draft_vocab_size"],
+                draft_vocab_size=settings.draft_vocab_size,
                 vocab_size=int(info["vocab_size"]) if info.get("vocab_size") is not None else None,
-                mask_policy=settings["mask_policy"],
+                mask_policy=settings.mask_policy,
             )
             try:  # what finalize needs, imported now: a missing package fails here, not after the run
                 getattr(fmt, "prepare", lambda: None)()
@@ -238,11 +239,11 @@ class Extractor:
                 store.write_json_atomic(out / store.PLAN_NAME, plan)
                 new_run = True
             else:
-                planning.check_resumable(plan, inputs, samples, info, settings["layers"], out, shard=cfg.shard)
+                planning.check_resumable(plan, inputs, samples, info, settings.layers, out, shard=cfg.shard)
                 new_run = False
             keys = plan["keys"]
             self._tools_not_rendered = await tools_not_rendered(
-                client, (samples.by_key[k].request for k in keys), settings["max_length"])
+                client, (samples.by_key[k].request for k in keys), settings.max_length)
             if self._tools_not_rendered:
                 self._notes.append(f"warning: {self._tools_not_rendered} sample(s) carry tool definitions that the "
                                    "server's chat template does not render (they are stored without them)")
@@ -315,7 +316,7 @@ class Extractor:
                               or e.get("kind") in planning.RETRIED_KINDS)}
         return done, failed, redo
 
-    def _check_disk(self, todo: list[int], keys: list[str], samples: planning.Samples, settings: dict[str, Any],
+    def _check_disk(self, todo: list[int], keys: list[str], samples: planning.Samples, settings: CorpusSettings,
                     info: dict[str, Any], fmt: Any, ctx: Any) -> store.DiskEstimate | None:
         if not todo:
             return None
@@ -325,14 +326,14 @@ class Extractor:
             store.fsync_dir(self.out)
         counts = self._token_ratio
         need = planning.disk_needed((samples.by_key[keys[i]].request for i in todo), fmt.bytes_per_token(ctx),
-                                    settings["max_length"], info.get("max_model_len"),
+                                    settings.max_length, info.get("max_model_len"),
                                     counts.ratio if counts else 1.0, counts.kept if counts else 1.0)
         est = store.check_disk_space(self.out, need, force=self.cfg.force_disk)
         self._disk_estimate = need
         return est
 
     def _result(self, state: RunState, plan: dict[str, Any], info: dict[str, Any], final_norm: Any,
-                settings: dict[str, Any], run_summary: dict[str, Any]) -> ExtractResult:
+                settings: CorpusSettings, run_summary: dict[str, Any]) -> ExtractResult:
         out, done, n = self.out, state.done, len(plan["keys"])
         not_stored = planning.failed_for_good(out, n, done)
         failed, dropped = planning.split_dropped(not_stored)
@@ -341,7 +342,7 @@ class Extractor:
         bad_examples, _, _ = store.read_jsonl(bad_rows_file)
         summary = {
             "output": str(out), "planned": n, "done": len(done), "failed": len(failed), "dropped": len(dropped),
-            "remaining": remaining, "max_length": settings["max_length"], "truncation": settings["truncation"],
+            "remaining": remaining, "max_length": settings.max_length, "truncation": settings.truncation,
             "truncated": sum(1 for e in done.values() if e.get("truncated_from")),
             "failed_reasons": reason_counts(failed.values()), "dropped_reasons": reason_counts(dropped.values()),
             "bad_rows": plan.get("bad_rows", 0), "bad_row_kinds": plan.get("bad_row_kinds", {}),

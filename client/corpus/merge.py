@@ -64,6 +64,7 @@ from hsx.host import usable_cores
 
 from hsx_client.corpus import store
 from hsx_client.corpus.formats import CorpusContext, format_options, get_format
+from hsx_client.corpus.settings import CorpusSettings
 from hsx_client.corpus.merge_check import PER_SHARD_CORPUS_FIELDS, MergeRefused, Shard, load_all
 from hsx_client.corpus.plan import PLAN_VERSION, split_dropped
 from hsx_client.corpus.provenance import files_digest
@@ -276,7 +277,7 @@ class Merger:
         shards = load_all(out, self.shard_dirs)
         # The shards agree on the format and its options (merge_check): --dtype fp8 and
         # --states none shards merge as their format's own variant.
-        fmt = get_format(shards[0].corpus["format"], **format_options(shards[0].plan["settings"]))
+        fmt = get_format(shards[0].corpus["format"], **format_options(CorpusSettings.saved(shards[0].plan["settings"])))
         rows = plan_rows(shards)
         if not rows:
             raise MergeRefused(["the shards hold no sample (every one failed): nothing to merge"])

@@ -57,32 +57,13 @@ from pathlib import Path
 from typing import Any
 
 from hsx_client.corpus import store
+from hsx_client.corpus.settings import PLAN_KEYS, ConfigError, CorpusSettings  # noqa: F401 (PLAN_KEYS, ConfigError: theirs, named here too)
 
 PLAN_VERSION = 1
 
-# Settings a plan fixes, with their defaults; the value None on the command line means
-# "not given".
-SETTING_DEFAULTS: dict[str, Any] = {
-    "format": None,
-    "mask_policy": "per_turn",
-    "max_length": None,
-    "truncation": "right",
-    "layers": None,
-    "draft_vocab_size": None,
-    "seed": 0,
-    "shuffle": True,
-    "max_samples": None,
-    "states": "all",  # none: the token table only (online training; formats/speculators_variants.py)
-    "dtype": "auto",  # fp8: states stored as fp8 with per-token scales
-}
-PLAN_KEYS = tuple(SETTING_DEFAULTS)
 # Failures the next run retries by itself (the others only with --retry-failed).
 RETRIED_KINDS = ("server_error", "lease_expired")
 DROPPED = "dropped"  # not stored by policy (no supervised token): not a failure, never retried
-
-
-class ConfigError(Exception):
-    """The run cannot start as asked (exit 2)."""
 
 
 class ShardError(ConfigError):
@@ -114,26 +95,6 @@ def load_plan(out: Path) -> dict[str, Any] | None:
     if plan.get("version") != PLAN_VERSION:
         raise ConfigError(f"{p} has plan version {plan.get('version')}, this client writes {PLAN_VERSION}")
     return plan
-
-
-def resolve_settings(given: dict[str, Any], plan: dict[str, Any] | None, out: Path) -> dict[str, Any]:
-    """Merge the command line (`given`: PLAN_KEYS -> value or None) with the plan: given
-    flags must agree with it; missing ones come from it, else the defaults."""
-    if plan is None:
-        return {k: (v if v is not None else SETTING_DEFAULTS[k]) for k, v in given.items()}
-    saved = plan["settings"]
-    diffs = []
-    for k, v in given.items():
-        if v is not None and k in saved and saved[k] is not None and v != saved[k]:
-            diffs.append(f"--{k.replace('_', '-')}: the plan has {saved[k]!r}, this run asks {v!r}")
-        elif v is not None and k in saved and saved[k] is None and v != SETTING_DEFAULTS[k]:
-            diffs.append(f"--{k.replace('_', '-')}: the plan has none, this run asks {v!r}")
-    if diffs:
-        raise ConfigError(
-            f"{out} holds a run made with other settings; resume with the same flags or use a "
-            "new --output:\n  " + "\n  ".join(diffs)
-        )
-    return {k: saved.get(k, SETTING_DEFAULTS[k]) for k in PLAN_KEYS}
 
 
 def servers_max_tokens(infos: Iterable[dict[str, Any]]) -> int | None:
@@ -286,19 +247,19 @@ def no_usable_rows(inputs: list[str], bad: list[dict[str, str]]) -> str:
     return f"no usable rows in {names}: {'; '.join(parts)} (first: {first['source']}: {first['reason']})"
 
 
-def new_plan(settings: dict[str, Any], inputs: list[str], samples: Samples, info: dict[str, Any],
+def new_plan(settings: CorpusSettings, inputs: list[str], samples: Samples, info: dict[str, Any],
              shard: ShardSpec | None = None) -> dict[str, Any]:
     keys = list(samples.by_key)
-    if settings["shuffle"]:
-        random.Random(settings["seed"]).shuffle(keys)
-    if settings["max_samples"] is not None:
-        keys = keys[: settings["max_samples"]]
-    keys, section = take_shard(keys, shard, settings=settings, inputs_sha256=samples.fingerprint,
+    if settings.shuffle:
+        random.Random(settings.seed).shuffle(keys)
+    if settings.max_samples is not None:
+        keys = keys[: settings.max_samples]
+    keys, section = take_shard(keys, shard, settings=settings.to_saved(), inputs_sha256=samples.fingerprint,
                                model=info.get("model"), model_revision=info.get("model_revision"))
     plan = {
         "version": PLAN_VERSION,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "settings": settings,
+        "settings": settings.to_saved(),
         "inputs": inputs,
         "inputs_sha256": samples.fingerprint,
         "input_files": input_files(inputs),

@@ -14,6 +14,7 @@ from hsx_client.corpus import plan as planning
 from hsx_client.api import HsxClient
 from hsx_client.errors import HsxError
 from hsx_client.corpus.plan import ConfigError
+from hsx_client.corpus.settings import CorpusSettings
 
 
 @dataclass
@@ -25,11 +26,11 @@ class TokenCounts:
 
 
 async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samples,
-                      settings: dict[str, Any]) -> TokenCounts | None:
+                      settings: CorpusSettings) -> TokenCounts | None:
     """Count up to COUNT_SAMPLE of `keys` with the servers' tokenizer (`POST /tokenize`,
     no prefill); None when the servers cannot count (an older server)."""
     pick = keys if len(keys) <= planning.COUNT_SAMPLE else random.Random(0).sample(keys, planning.COUNT_SAMPLE)
-    max_len, trunc = settings["max_length"], settings["truncation"]
+    max_len, trunc = settings.max_length, settings.truncation
 
     async def one(key: str) -> tuple[int, int, int, int] | None:
         body = dict(samples.by_key[key].request, id=key)
@@ -56,16 +57,16 @@ async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samp
     return TokenCounts(ratio=sum(c[0] for c in counts) / est, kept=sum(c[3] for c in counts) / cut)
 
 
-def preflight(fmt: Any, settings: dict[str, Any], info: dict[str, Any], infos: dict[str, dict[str, Any]]) -> None:
+def preflight(fmt: Any, settings: CorpusSettings, info: dict[str, Any], infos: dict[str, dict[str, Any]]) -> None:
     """What the servers' /info says against what the run asks, before any sample is sent:
     each problem is one ConfigError line (exit 2) that says what to change."""
     served = [int(x) for x in info["layer_ids"]]
     check = getattr(fmt, "layer_problem", None)
     if check is not None:
-        problem = check(settings["layers"], info.get("num_hidden_layers"), served)
+        problem = check(settings.layers, info.get("num_hidden_layers"), served)
         if problem:
             raise ConfigError(problem)
-    k = settings["draft_vocab_size"]
+    k = settings.draft_vocab_size
     if k is not None:
         vocab = info.get("vocab_size")
         if vocab is None:
@@ -73,14 +74,14 @@ def preflight(fmt: Any, settings: dict[str, Any], info: dict[str, Any], infos: d
         if not 1 <= int(k) <= int(vocab):
             raise ConfigError(f"--draft-vocab-size {k} must be in 1..{vocab} (the served model's vocab size)")
     limit = planning.servers_max_tokens(infos.values())
-    if settings["max_length"] and limit and settings["max_length"] > limit:
+    if settings.max_length and limit and settings.max_length > limit:
         who = min(infos, key=lambda u: planning.servers_max_tokens([infos[u]]) or limit)
         raise ConfigError(
-            f"--max-length {settings['max_length']} exceeds the {limit} tokens {who} takes per request "
+            f"--max-length {settings.max_length} exceeds the {limit} tokens {who} takes per request "
             "(its max_tokens_per_request): lower it, or leave it out to use the servers' limit"
         )
     if getattr(fmt, "needs_final_norm", False) and "final_norm" in info and info["final_norm"] is None:
-        raise ConfigError(f"{settings['format']} corpora need the final norm's weights, and the server could not "
+        raise ConfigError(f"{settings.format} corpora need the final norm's weights, and the server could not "
                           "read them from the checkpoint (GET /final_norm)")
 
 

@@ -17,6 +17,7 @@ from hsx import __version__ as hsx_version
 
 from hsx_client.corpus import store
 from hsx_client.corpus.plan import split_dropped
+from hsx_client.corpus.settings import CorpusSettings
 
 
 def files_digest(out: Path, rels: list[str]) -> dict[str, dict[str, Any]]:
@@ -29,7 +30,7 @@ def files_digest(out: Path, rels: list[str]) -> dict[str, dict[str, Any]]:
 
 def finalize(out: Path, fmt: Any, ctx: Any, plan: dict[str, Any], done: dict[int, dict[str, Any]],
              failed: dict[int, dict[str, Any]], info: dict[str, Any], final_norm: Any,
-             settings: dict[str, Any]) -> dict[str, Any]:
+             settings: CorpusSettings) -> dict[str, Any]:
     """Run the format's finalize and write hsx_corpus.json; returns its content."""
     records = sorted((i, e["record"]) for i, e in done.items())
     failures, dropped = split_dropped(failed)
@@ -39,12 +40,12 @@ def finalize(out: Path, fmt: Any, ctx: Any, plan: dict[str, Any], done: dict[int
     corpus = {
         "hsx_corpus_version": 1,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "format": settings["format"],
-        "states": settings.get("states", "all"),
-        "states_dtype": settings.get("dtype", "auto"),
+        "format": settings.format,
+        "states": settings.states,
+        "states_dtype": settings.dtype,
         "model": info.get("model"),
         "model_revision": info.get("model_revision"),
-        "layer_ids": settings["layers"],
+        "layer_ids": settings.layers,
         "last_layer_pre_norm": True,
         "num_hidden_layers": info.get("num_hidden_layers"),
         "hidden_size": info.get("hidden_size"),
@@ -53,13 +54,13 @@ def finalize(out: Path, fmt: Any, ctx: Any, plan: dict[str, Any], done: dict[int
         "max_model_len": info.get("max_model_len"),
         "chat_template_sha256": info.get("chat_template_sha256"),
         "final_norm": {"eps": getattr(final_norm, "eps", None), "style": getattr(final_norm, "style", None)},
-        "max_length": settings["max_length"],
-        "truncation": settings["truncation"] if settings["max_length"] else None,
-        "mask_policy": settings["mask_policy"],
-        "draft_vocab_size": settings["draft_vocab_size"],
-        "seed": settings["seed"],
-        "shuffle": settings["shuffle"],
-        "max_samples": settings["max_samples"],
+        "max_length": settings.max_length,
+        "truncation": settings.truncation if settings.max_length else None,
+        "mask_policy": settings.mask_policy,
+        "draft_vocab_size": settings.draft_vocab_size,
+        "seed": settings.seed,
+        "shuffle": settings.shuffle,
+        "max_samples": settings.max_samples,
         "inputs": plan.get("inputs"),
         "inputs_sha256": plan.get("inputs_sha256"),
         "shard": plan.get("shard"),

@@ -51,6 +51,7 @@ from hsx_client.errors import (
 )
 from hsx_client.corpus.plan import DROPPED
 from hsx_client.corpus.progress import Progress
+from hsx_client.corpus.settings import CorpusSettings
 
 log = logging.getLogger("hsx.extract")
 
@@ -87,7 +88,7 @@ class RunState:
     fmt: Any
     ctx: Any
     out: Path
-    settings: dict[str, Any]
+    settings: CorpusSettings
     served_layers: list[int]
     keys: list[str]
     by_key: dict[str, Any]
@@ -110,11 +111,11 @@ class RunState:
         sample = self.by_key[self.keys[index]]
         body = dict(sample.request)
         s = self.settings
-        if s["layers"] != self.served_layers:
-            body.setdefault("layers", s["layers"])
-        if s["max_length"]:
-            body.setdefault("max_length", s["max_length"])
-            body.setdefault("truncation", s["truncation"])
+        if s.layers != self.served_layers:
+            body.setdefault("layers", s.layers)
+        if s.max_length:
+            body.setdefault("max_length", s.max_length)
+            body.setdefault("truncation", s.truncation)
         body.setdefault("id", sample.key)
         body.setdefault("require_supervised", True)  # refused before the prefill (dropped)
         return body

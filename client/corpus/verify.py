@@ -131,8 +131,10 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
         keys = plan["keys"]
         n = len(keys)
         from hsx_client.corpus.formats import format_options
+        from hsx_client.corpus.settings import CorpusSettings
 
-        fmt = get_format(plan["settings"]["format"], **format_options(plan["settings"]))
+        settings = CorpusSettings.saved(plan["settings"])
+        fmt = get_format(settings.format, **format_options(settings))
         entries, _, torn = store.read_jsonl(out / store.MANIFEST_NAME)
         done = store.latest_by_index(entries)
         problems: list[str] = []

@@ -42,17 +42,19 @@ from hsx_client.corpus.formats.common import (
 )
 from hsx_client.corpus.formats.specforge import SpecForgeFormat
 from hsx_client.corpus.formats.speculators import SpeculatorsFormat
+from hsx_client.corpus.settings import SETTING_DEFAULTS, CorpusSettings
 
 _FORMATS = {"speculators": SpeculatorsFormat, "specforge": SpecForgeFormat}
 
 
-FORMAT_OPTIONS = {"states": "all", "dtype": "auto"}  # run settings that pick a variant, and their defaults
+# The run settings that pick a variant, and their defaults.
+FORMAT_OPTIONS = {k: SETTING_DEFAULTS[k] for k in ("states", "dtype")}
 
 
-def format_options(settings: dict) -> dict:
+def format_options(settings: CorpusSettings) -> dict[str, str]:
     """The variant settings of a run (a plan's, a corpus's) that differ from the defaults
     (none: the plain format)."""
-    return {k: settings[k] for k, d in FORMAT_OPTIONS.items() if settings.get(k) not in (None, d)}
+    return {k: getattr(settings, k) for k, d in FORMAT_OPTIONS.items() if getattr(settings, k) != d}
 
 
 def get_format(name: str, **options: str) -> CorpusFormat:
@@ -60,7 +62,7 @@ def get_format(name: str, **options: str) -> CorpusFormat:
     speculators' token-table and fp8 variants (speculators_variants.py)."""
     if name not in _FORMATS:
         raise ValueError(f"unknown corpus format {name!r} (choose from {sorted(_FORMATS)})")
-    if format_options(options):
+    if any(options.get(k, d) != d for k, d in FORMAT_OPTIONS.items()):
         from hsx_client.corpus.formats.speculators_variants import variant_format
 
         return variant_format(name, **{**FORMAT_OPTIONS, **options})

@@ -27,3 +27,16 @@ def test_extract_help_prints_every_exit_code_from_exit_codes():
     help_text = " ".join(cli.build_extract_parser().format_help().split())
     for code, text in extract.EXIT_CODES.items():
         assert f" {code} {' '.join(text.split())}" in help_text
+
+
+def test_corpus_settings_are_plan_json_s_object_field_for_field():
+    """plan.json's "settings" keep their keys and order (global fingerprints hash them: merge
+    proves shards from one plan with it); a plan from before `states`/`dtype` reads with their defaults."""
+    from hsx_client.corpus.settings import CorpusSettings
+
+    legacy = {"format": "speculators", "mask_policy": "per_turn", "max_length": 64, "truncation": "right",
+              "layers": [1, 2], "draft_vocab_size": None, "seed": 0, "shuffle": True, "max_samples": None}
+    s = CorpusSettings.saved(legacy)
+    assert (s.format, s.layers, s.states, s.dtype) == ("speculators", [1, 2], "all", "auto")
+    assert list(s.to_saved()) == [*legacy, "states", "dtype"]
+    assert {k: v for k, v in s.to_saved().items() if k in legacy} == legacy
