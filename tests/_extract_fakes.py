@@ -18,6 +18,7 @@ import safetensors.numpy
 from hsx import wire
 from hsx_client.corpus import extract as ex
 from hsx_client.corpus import store
+from hsx_client.corpus.formats.common import FormatDefaults
 from hsx_client.settings import ClientSettings
 
 L, H = 4, 8
@@ -65,7 +66,7 @@ class Crash(BaseException):
     """Stands in for a kill: not an Exception, so nothing handles it as a sample error."""
 
 
-class FakeFormat:
+class FakeFormat(FormatDefaults):
     name = "fake"
 
     def __init__(self):

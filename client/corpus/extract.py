@@ -223,7 +223,7 @@ class Extractor:
                 mask_policy=settings.mask_policy,
             )
             try:  # what finalize needs, imported now: a missing package fails here, not after the run
-                getattr(fmt, "prepare", lambda: None)()
+                fmt.prepare()
             except ImportError as exc:
                 raise ConfigError(str(exc)) from exc
             if cfg.quiet:

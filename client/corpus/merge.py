@@ -297,7 +297,7 @@ class Merger:
         if (out / store.CORPUS_NAME).exists():
             corpus = json.loads((out / store.CORPUS_NAME).read_text())
             return self._summary(shards, corpus, message="already complete")
-        getattr(fmt, "prepare", lambda: None)()
+        fmt.prepare()
         written = list(fmt.finalize(out, sorted((i, e["record"]) for i, e in done.items()), self._context(shards)) or [])
         for rel in written:
             store.fsync_dir((out / rel).parent)

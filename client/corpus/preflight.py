@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hsx_client.corpus import plan as planning
 from hsx_client.api import HsxClient
 from hsx_client.errors import HsxError
 from hsx_client.corpus.plan import ConfigError
 from hsx_client.corpus.settings import CorpusSettings
+
+if TYPE_CHECKING:
+    from hsx_client.corpus.formats import CorpusFormat  # torch: not at this module's import
 
 
 @dataclass
@@ -57,15 +60,13 @@ async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samp
     return TokenCounts(ratio=sum(c[0] for c in counts) / est, kept=sum(c[3] for c in counts) / cut)
 
 
-def preflight(fmt: Any, settings: CorpusSettings, info: dict[str, Any], infos: dict[str, dict[str, Any]]) -> None:
+def preflight(fmt: CorpusFormat, settings: CorpusSettings, info: dict[str, Any], infos: dict[str, dict[str, Any]]) -> None:
     """What the servers' /info says against what the run asks, before any sample is sent:
     each problem is one ConfigError line (exit 2) that says what to change."""
     served = [int(x) for x in info["layer_ids"]]
-    check = getattr(fmt, "layer_problem", None)
-    if check is not None:
-        problem = check(settings.layers, info.get("num_hidden_layers"), served)
-        if problem:
-            raise ConfigError(problem)
+    problem = fmt.layer_problem(settings.layers, info.get("num_hidden_layers"), served)
+    if problem:
+        raise ConfigError(problem)
     k = settings.draft_vocab_size
     if k is not None:
         vocab = info.get("vocab_size")
@@ -80,14 +81,14 @@ def preflight(fmt: Any, settings: CorpusSettings, info: dict[str, Any], infos: d
             f"--max-length {settings.max_length} exceeds the {limit} tokens {who} takes per request "
             "(its max_tokens_per_request): lower it, or leave it out to use the servers' limit"
         )
-    if getattr(fmt, "needs_final_norm", False) and "final_norm" in info and info["final_norm"] is None:
+    if fmt.needs_final_norm and "final_norm" in info and info["final_norm"] is None:
         raise ConfigError(f"{settings.format} corpora need the final norm's weights, and the server could not "
                           "read them from the checkpoint (GET /final_norm)")
 
 
-def wants_final_norm(fmt: Any, info: dict[str, Any]) -> bool:
+def wants_final_norm(fmt: CorpusFormat, info: dict[str, Any]) -> bool:
     """speculators keeps states pre-norm: it does not need /final_norm (its absence is no error)."""
-    if getattr(fmt, "needs_final_norm", True):
+    if fmt.needs_final_norm:
         return True
     return info.get("final_norm") is not None
 

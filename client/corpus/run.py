@@ -303,8 +303,7 @@ class RunLoop:
         st = self.state
         try:
             body = st.request_body(index)
-            fetch = getattr(st.fmt, "fetch", None)  # a format may ask for less than states (POST /tokenize)
-            raw = await (fetch(st.client, body) if fetch else st.client.hidden_states_response(body, lease_ok=True))
+            raw = await st.fmt.fetch(st.client, body)  # a format may ask for less than states (POST /tokenize)
         except asyncio.CancelledError:
             if st.stopping:
                 return None  # abandoned: not done, redone on resume

@@ -37,8 +37,8 @@ The sample record (kept in the manifest, given back to `finalize` / `verify_samp
 from __future__ import annotations
 
 from hsx_client.corpus.formats.common import (
-    COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormat, CorpusFormatError, SampleOutput, mask_to_runs,
-    runs_to_mask,
+    COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormat, CorpusFormatError, FormatDefaults, SampleOutput,
+    mask_to_runs, runs_to_mask,
 )
 from hsx_client.corpus.formats.specforge import SpecForgeFormat
 from hsx_client.corpus.formats.speculators import SpeculatorsFormat
@@ -70,6 +70,6 @@ def get_format(name: str, **options: str) -> CorpusFormat:
 
 
 __all__ = [
-    "COMPACTION_JOURNAL", "FORMAT_FILE", "CorpusContext", "CorpusFormat", "CorpusFormatError", "SampleOutput",
+    "COMPACTION_JOURNAL", "FORMAT_FILE", "CorpusContext", "CorpusFormat", "CorpusFormatError", "FormatDefaults", "SampleOutput",
     "SpecForgeFormat", "SpeculatorsFormat", "FORMAT_OPTIONS", "format_options", "get_format", "mask_to_runs", "runs_to_mask",
 ]

@@ -17,6 +17,7 @@ from hsx_client.postnorm import FinalNorm
 
 if TYPE_CHECKING:
     from hsx.wire import Decoded
+    from hsx_client.api import HsxClient
 
 FORMAT_FILE = "hsx_format.json"
 COMPACTION_JOURNAL = store.COMPACTION_JOURNAL
@@ -45,7 +46,24 @@ class SampleOutput:
 
 
 class CorpusFormat(Protocol):
+    """What a corpus writer is to the run, merge and verify: every member declared, none
+    optional (FormatDefaults has the plain behaviour of those a format may leave alone)."""
+
     name: str
+    needs_final_norm: bool  # its states are post-norm: /final_norm must be readable (checked before any sample)
+
+    def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
+        """Why these layers cannot make this corpus, with what to do; None when they can."""
+
+    def prepare(self) -> None:
+        """What finalize needs, imported before the run (a missing package fails there)."""
+
+    async def fetch(self, client: HsxClient, body: dict[str, Any]) -> Any:
+        """One sample's response from the servers (a format may ask for less than states)."""
+
+    def drop_reason(self, mask: np.ndarray) -> str | None:
+        """Why a sample with a supervised token still leaves its trainer nothing to learn
+        (it is then dropped like an all-masked one); see `drop_reason`."""
 
     def encode_sample(self, index: int, decoded: Decoded, ctx: CorpusContext) -> SampleOutput: ...
 
@@ -55,23 +73,35 @@ class CorpusFormat(Protocol):
 
     def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]: ...
 
-    # Optional, checked before any sample is sent (a format without them has no such needs):
-    #   needs_final_norm: bool
-    #   layer_problem(layers, num_hidden_layers, served) -> str | None
-    # Optional, per stored sample:
-    #   drop_reason(mask) -> str | None: why a sample with a supervised token still leaves its
-    #       trainer nothing to learn (it is then dropped like an all-masked one); see `drop_reason`
+
+class FormatDefaults:
+    """The plain behaviour of CorpusFormat's members a format may leave alone: post-norm
+    states wanted when the server has them, any layers, nothing to import, the states
+    fetched as they are, no drop rule of its own."""
+
+    needs_final_norm = True
+
+    def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
+        return None
+
+    def prepare(self) -> None:
+        return None
+
+    async def fetch(self, client: HsxClient, body: dict[str, Any]) -> Any:
+        return await client.hidden_states_response(body, lease_ok=True)
+
+    def drop_reason(self, mask: np.ndarray) -> str | None:
+        return None
 
 
-def drop_reason(fmt: object, mask: np.ndarray | None) -> str | None:
+def drop_reason(fmt: CorpusFormat, mask: np.ndarray | None) -> str | None:
     """Why a response gives the trainer nothing to learn (the sample is dropped, counted as
     such, never stored), or None. No mask: every token is supervised."""
     if mask is None:
         return None
     if not mask.any():
         return "no supervised token: the loss mask is all zero"
-    own = getattr(fmt, "drop_reason", None)
-    return own(mask) if own is not None else None
+    return fmt.drop_reason(mask)
 
 
 class CorpusFormatError(ValueError):

@@ -14,9 +14,8 @@ import torch
 from hsx import dtypes
 from hsx_client.corpus import store
 from hsx_client.corpus.formats.common import (
-    FORMAT_FILE, CorpusContext, CorpusFormatError, SampleOutput, check_decoded, eagle3_layer_problem, format_json,
-    make_record,
-    record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
+    FORMAT_FILE, CorpusContext, CorpusFormatError, FormatDefaults, SampleOutput, check_decoded, eagle3_layer_problem,
+    format_json, make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
 from hsx_client.postnorm import apply_final_norm
 from hsx_client.corpus.vocab import count_supervised, specforge_vocab_files
@@ -24,7 +23,7 @@ from hsx_client.corpus.vocab import count_supervised, specforge_vocab_files
 if TYPE_CHECKING:
     from hsx.wire import Decoded
 
-class SpecForgeFormat:
+class SpecForgeFormat(FormatDefaults):
     """SpecForge 0.2 offline: one torch.save'd `.ckpt` per sample in a sharded tree.
 
     SpecForge lists every `*.ckpt` under the directory and has no positional index, so

@@ -40,3 +40,27 @@ def test_corpus_settings_are_plan_json_s_object_field_for_field():
     assert (s.format, s.layers, s.states, s.dtype) == ("speculators", [1, 2], "all", "auto")
     assert list(s.to_saved()) == [*legacy, "states", "dtype"]
     assert {k: v for k, v in s.to_saved().items() if k in legacy} == legacy
+
+
+def test_every_format_has_every_member_of_the_protocol_and_one_final_norm_rule():
+    """CorpusFormat declares needs_final_norm, layer_problem, prepare, fetch, drop_reason: no
+    getattr default elsewhere. Before, a format without needs_final_norm was taken as not
+    needing the norm by the pre-flight check and as needing it when the run fetched it."""
+    from hsx_client.corpus.formats import CorpusFormat, FormatDefaults, SpecForgeFormat, SpeculatorsFormat
+    from hsx_client.corpus.formats.speculators_variants import SpeculatorsFp8Format, SpeculatorsTokensFormat
+    from hsx_client.corpus.plan import ConfigError
+    from hsx_client.corpus.preflight import preflight, wants_final_norm
+    from hsx_client.corpus.settings import CorpusSettings
+
+    members = {"name", "needs_final_norm", *(m for m in vars(CorpusFormat) if not m.startswith("_"))}
+    assert {"layer_problem", "prepare", "fetch", "drop_reason"} <= members
+    for cls in (SpeculatorsFormat, SpecForgeFormat, SpeculatorsTokensFormat, SpeculatorsFp8Format):
+        assert all(hasattr(cls, m) for m in members), cls
+
+    class Bare(FormatDefaults):
+        name = "bare"
+
+    info = {"layer_ids": [1, 2, 3, 4], "final_norm": None}
+    assert wants_final_norm(Bare(), info)
+    with pytest.raises(ConfigError, match="final norm"):
+        preflight(Bare(), CorpusSettings(format="bare"), info, {"http://s": info})
