@@ -47,6 +47,7 @@ from hsx_client.corpus import store
 from hsx_client.corpus.plan import DROPPED
 from hsx_client.corpus.progress import add_stats
 from hsx_client.corpus.run import RunHooks, RunLoop, RunState, StopSignals, default_write_workers
+from hsx_client.corpus.worker_messages import End, Exited, Failed, Note, Progressed, Ready, Samples, Stop, Stored
 from hsx_client.malloc_tuning import keep_large_blocks
 from hsx_client.settings import ClientSettings
 
@@ -80,7 +81,7 @@ class _Outbox:
         self._conn = conn
         self._mu = threading.Lock()
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: object) -> None:
         with self._mu:
             self._conn.send(msg)
 
@@ -88,11 +89,11 @@ class _Outbox:
 class _LogToParent:
     """Stands in for a JsonlLog: the line goes to the parent, which writes it."""
 
-    def __init__(self, outbox: _Outbox, kind: str) -> None:
-        self._outbox, self._kind = outbox, kind
+    def __init__(self, outbox: _Outbox, message: type[Stored] | type[Failed]) -> None:
+        self._outbox, self._message = outbox, message
 
     def append(self, entry: dict[str, Any]) -> None:
-        self._outbox.send((self._kind, entry))
+        self._outbox.send(self._message(entry))
 
 
 class _ProgressToParent:
@@ -102,7 +103,7 @@ class _ProgressToParent:
         self._outbox = outbox
 
     def sample_done(self, *, tokens: int, wire_bytes: int, written_bytes: int) -> None:
-        self._outbox.send(("bytes", tokens, wire_bytes, written_bytes))
+        self._outbox.send(Progressed(tokens, wire_bytes, written_bytes))
 
     def sample_failed(self, dropped: bool = False) -> None:
         pass
@@ -111,7 +112,7 @@ class _ProgressToParent:
         pass
 
     def write(self, msg: str) -> None:
-        self._outbox.send(("note", msg))
+        self._outbox.send(Note(msg))
 
 
 def worker_main(conn: Connection, spec: WorkerSpec) -> None:
@@ -125,7 +126,7 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     except BaseException as exc:  # noqa: BLE001: anything, reported as this worker's error
         fatal = f"{type(exc).__name__}: {exc}"
     try:
-        outbox.send(("exit", fatal, books))
+        outbox.send(Exited(fatal, books))
     except OSError:
         pass  # the parent is gone
 
@@ -136,7 +137,7 @@ async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec, books: dict
     async with HsxClient.from_settings(spec.client) as client:
         state = RunState(
             client=client, **spec.corpus, by_key={},
-            manifest=_LogToParent(outbox, "stored"), failed_log=_LogToParent(outbox, "failed"),
+            manifest=_LogToParent(outbox, Stored), failed_log=_LogToParent(outbox, Failed),
             done={}, failed={}, progress=_ProgressToParent(outbox),  # type: ignore[arg-type]
         )
         loop = RunLoop(state, concurrency=spec.concurrency, write_workers=spec.write_workers, open_ended=True)
@@ -154,17 +155,18 @@ async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec, books: dict
                 except (EOFError, OSError):  # the parent died: stop as on Ctrl-C
                     aloop.call_soon_threadsafe(loop.request_stop, "the parent process is gone")
                     return
-                if msg[0] == "samples":
-                    aloop.call_soon_threadsafe(take, msg[1])
-                elif msg[0] == "end":
-                    aloop.call_soon_threadsafe(loop.close_feed)
-                    return
-                elif msg[0] == "stop":
-                    aloop.call_soon_threadsafe(loop.request_stop, msg[1])
-                    return
+                match msg:
+                    case Samples(items):
+                        aloop.call_soon_threadsafe(take, items)
+                    case End():
+                        aloop.call_soon_threadsafe(loop.close_feed)
+                        return
+                    case Stop(reason):
+                        aloop.call_soon_threadsafe(loop.request_stop, reason)
+                        return
 
         threading.Thread(target=read, name="hsx-worker-feed", daemon=True).start()
-        outbox.send(("ready",))  # imports done, client up: the parent may start its clock and feed us
+        outbox.send(Ready())  # imports done, client up: the parent may start its clock and feed us
         try:
             await loop.run([])
         finally:
@@ -270,7 +272,7 @@ class WorkerPool:
         try:
             if self.state.stopping:
                 w.ended = True
-                w.conn.send(("stop", self.state.stop_reason))
+                w.conn.send(Stop(self.state.stop_reason))
                 return
             batch = []
             while pending and len(w.held) + len(batch) < self.window:
@@ -278,10 +280,10 @@ class WorkerPool:
             if batch:
                 w.held.update(batch)
                 st = self.state
-                w.conn.send(("samples", [(i, st.by_key[st.keys[i]]) for i in batch]))
+                w.conn.send(Samples([(i, st.by_key[st.keys[i]]) for i in batch]))
             elif not pending and not w.held:
                 w.ended = True
-                w.conn.send(("end",))
+                w.conn.send(End())
         except OSError:
             pass  # it died: its sentinel tells, and _ended hands its indices on
 
@@ -296,41 +298,40 @@ class WorkerPool:
                 return  # gone (a message cut by its death is not a line: its index is redone)
             self._handle(w, msg)
 
-    def _handle(self, w: _Worker, msg: tuple) -> None:
+    def _handle(self, w: _Worker, msg: object) -> None:
         st = self.state
-        kind = msg[0]
-        if kind == "ready":
-            w.ready = True
-        elif kind == "stored":
-            entry = msg[1]
-            index = entry["index"]
-            st.manifest.append(entry)  # the one writer; fsync'ed before the sample counts
-            st.done[index] = entry
-            w.held.discard(index)
-            if self.hooks.on_stored is not None:
-                self.hooks.on_stored(st, index, entry)
-        elif kind == "bytes":  # the worker's progress numbers of a stored sample
-            st.progress.sample_done(tokens=msg[1], wire_bytes=msg[2], written_bytes=msg[3])
-        elif kind == "failed":
-            entry = msg[1]
-            index = entry["index"]
-            st.failed_log.append(entry)
-            st.failed[index] = entry
-            w.held.discard(index)
-            st.progress.sample_failed(dropped=entry.get("kind") == DROPPED)
-            if self.hooks.on_failed is not None:
-                self.hooks.on_failed(st, index, entry)
-        elif kind == "note":
-            st.progress.write(msg[1])
-        elif kind == "exit":
-            w.reported_exit = True
-            books = msg[2] if len(msg) > 2 else {}
-            st.store_s += books.get("store_s", 0.0)
-            st.life_s += books.get("life_s", 0.0)
-            add_stats(st.worker_stats, books.get("stats", {}))
-            st.progress.add_server_stats(books.get("stats", {}))  # the summary's per-server counts
-            if msg[1] is not None:
-                self._stop_on(WorkerError(msg[1]), msg[1])
+        match msg:
+            case Ready():
+                w.ready = True
+            case Stored(entry):
+                index = entry["index"]
+                st.manifest.append(entry)  # the one writer; fsync'ed before the sample counts
+                st.done[index] = entry
+                w.held.discard(index)
+                if self.hooks.on_stored is not None:
+                    self.hooks.on_stored(st, index, entry)
+            case Progressed(tokens, wire_bytes, written_bytes):  # the worker's numbers of a stored sample
+                st.progress.sample_done(tokens=tokens, wire_bytes=wire_bytes, written_bytes=written_bytes)
+            case Failed(entry):
+                index = entry["index"]
+                st.failed_log.append(entry)
+                st.failed[index] = entry
+                w.held.discard(index)
+                st.progress.sample_failed(dropped=entry.get("kind") == DROPPED)
+                if self.hooks.on_failed is not None:
+                    self.hooks.on_failed(st, index, entry)
+            case Note(text):
+                st.progress.write(text)
+            case Exited(error, books):
+                w.reported_exit = True
+                st.store_s += books.get("store_s", 0.0)
+                st.life_s += books.get("life_s", 0.0)
+                add_stats(st.worker_stats, books.get("stats", {}))
+                st.progress.add_server_stats(books.get("stats", {}))  # the summary's per-server counts
+                if error is not None:
+                    self._stop_on(WorkerError(error), error)
+            case _:
+                raise TypeError(f"unknown worker message {msg!r}")
 
     def _ended(self, w: _Worker, pending: deque[int], live: list[_Worker]) -> None:
         """A worker process is gone: hand on what it held; replace it when it died."""
