@@ -38,7 +38,6 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -46,6 +45,7 @@ import httpx
 from hsx import __version__ as hsx_version
 from hsx import bf16split, wire
 from hsx_client import shm
+from hsx_client.responses import Lease, RawResponse, accept_header, finish_body, is_local
 from hsx_client.servers import ServerSet, ServerState
 from hsx_client.settings import COMPRESSIONS, DEFAULTS, TRANSFERS, ClientSettings
 from hsx_client.zstd_stream import ZstdBodyDecoder
@@ -60,53 +60,9 @@ from .errors import (
 )
 
 
-@dataclass
-class Lease:
-    """States left in a same-host server's arena: valid until released (see release_lease)."""
-
-    id: str
-    server: str
-    states: memoryview  # read-only view of the arena range
-
-
-@dataclass
-class RawResponse:
-    """A successful `POST /hidden_states`: the decompressed safetensors body and how it came.
-    With a lease, `body` lacks the hidden_states bytes: decode with `wire.decode(body,
-    lease.states)` and call `HsxClient.release_lease` once they are stored."""
-
-    body: bytes
-    request_id: str | None
-    server: str
-    wire_bytes: int  # bytes on the wire (compressed when the server compressed)
-    attempts: int = 1
-    lease: Lease | None = None
-
-    def decode(self) -> wire.Decoded:
-        return wire.decode(self.body, self.lease.states if self.lease else None)
-
-
 # Seconds to open a connection: a live server accepts in milliseconds even when busy (admission
 # answers 503 at once), so a few seconds tell a wrong host from a slow one without minutes of waiting.
 CONNECT_TIMEOUT = 5.0
-
-
-def _finish_body(raw: bytes, encoding: str) -> bytes:
-    """bf16split or identity bodies (zstd ones are decoded as they arrive: zstd_stream.py)."""
-    if encoding == "bf16split":
-        return bf16split.decode_body(raw)  # checks the result's layout itself
-    wire.check_body(raw)
-    return raw
-
-
-def _accept(lease: bool, split: bool) -> str:
-    kinds = ([wire.LEASE_MEDIA_TYPE] if lease else []) + ([bf16split.MEDIA_TYPE] if split else [])
-    return ", ".join([*kinds, f"{wire.MEDIA_TYPE};q=0.5"]) if kinds else wire.MEDIA_TYPE
-
-
-def _is_local(url: str) -> bool:
-    host = (httpx.URL(url).host or "").lower()
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 class HsxClient:
@@ -173,7 +129,7 @@ class HsxClient:
         is smaller (1.5x vs 1.27x): on the H200 (vLLM 0.33, 2026-12-01) one client process
         decoded it at half zstd's rate (0.102x vs 0.133x of plain prefill over loopback)."""
         if self.compression == "auto":
-            return "identity" if _is_local(url) else "zstd"
+            return "identity" if is_local(url) else "zstd"
         return "identity" if self.compression == "none" else self.compression
 
     def _encoding_for(self, url: str) -> str:
@@ -369,7 +325,7 @@ class HsxClient:
         http = self._ensure_open()
         headers = {
             "Content-Type": "application/json",
-            "Accept": _accept(arena is not None, self._compression_for(server.url) == "bf16split"),
+            "Accept": accept_header(arena is not None, self._compression_for(server.url) == "bf16split"),
             "Accept-Encoding": self._encoding_for(server.url),
             "X-Request-Id": rid,
         }
@@ -435,9 +391,9 @@ class HsxClient:
                     raise wire.WireFormatError("the lease names another arena (server restarted?)")
                 lease.states = arena.view(int(desc["offset"]), int(desc["nbytes"]))
             elif decoder is not None:
-                body = _finish_body(raw, "identity")  # decoded already: the layout check alone
+                body = finish_body(raw, "identity")  # decoded already: the layout check alone
             else:
-                body = await asyncio.to_thread(_finish_body, raw, encoding)
+                body = await asyncio.to_thread(finish_body, raw, encoding)
                 server.decode_s += time.perf_counter() - t_body
         except Exception as exc:  # zstd error or malformed safetensors
             if lease is not None:  # give the range back now rather than at its expiry
