@@ -17,7 +17,7 @@ import safetensors.numpy
 
 from hsx import wire
 from hsx_client.corpus import extract as ex
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.corpus.formats.common import FormatDefaults
 from hsx_client.settings import ClientSettings
 
@@ -173,5 +173,5 @@ def run(cfg, fmt, server):
 
 
 def manifest_done(out):
-    entries, _, _ = store.read_jsonl(out / store.MANIFEST_NAME)
-    return store.latest_by_index(entries), entries
+    entries, _, _ = journal.read_jsonl(out / store.MANIFEST_NAME)
+    return journal.latest_by_index(entries), entries

@@ -21,7 +21,7 @@ from _extract_fakes import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (d
 from _server import CHAT, REPO
 from hsx import wire
 from hsx_client.corpus import extract as ex
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.corpus.inputs import read_samples
 from hsx_client.corpus.progress import Progress
 from hsx_client.corpus.verify import verify_corpus
@@ -222,7 +222,7 @@ def test_bad_rows_are_listed_with_file_and_line_in_the_summary_and_in_dir(tmp_pa
     out = tmp_path / "out"
     r = run(cfg_for(data, out), FakeFormat(), InfoServer())
     assert r.exit_code == 0 and r.summary["bad_rows"] == 1
-    rows, _, _ = store.read_jsonl(out / store.BAD_ROWS_NAME)
+    rows, _, _ = journal.read_jsonl(out / store.BAD_ROWS_NAME)
     assert rows == [{"source": f"{data}:{N + 1}", "kind": "malformed", "reason": "no input_ids"}]
     text = ex.format_summary(r.summary)
     assert f"bad input rows: 1 skipped (1 malformed); listed in {out / store.BAD_ROWS_NAME}" in text

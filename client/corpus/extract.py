@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx_client.corpus import plan as planning
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.api import HsxClient
 from hsx_client.errors import AuthenticationError, HsxError, RetriesExhaustedError, ServersUnreachableError
 from hsx_client.corpus.plan import ConfigError
@@ -148,7 +148,7 @@ class Extractor:
         try:
             store.check_output_dir(out)
             created, lock_existed = store.first_missing(out), (out / store.LOCK_NAME).exists()
-            lock = store.DirLock(out).acquire("hsx extract")
+            lock = journal.DirLock(out).acquire("hsx extract")
         except store.StoreError as exc:
             return ExtractResult(EXIT_REFUSED, "refused", {"message": str(exc)})
         try:
@@ -248,8 +248,8 @@ class Extractor:
                 self._notes.append(f"warning: {self._tools_not_rendered} sample(s) carry tool definitions that the "
                                    "server's chat template does not render (they are stored without them)")
 
-            with store.JsonlLog(out / store.MANIFEST_NAME) as manifest, \
-                    store.JsonlLog(out / store.FAILED_NAME) as failed_log:
+            with journal.JsonlLog(out / store.MANIFEST_NAME) as manifest, \
+                    journal.JsonlLog(out / store.FAILED_NAME) as failed_log:
                 done, failed, redo = self._what_is_done(fmt, keys, manifest)
                 todo = planning.pending(len(keys), done, failed)
                 if not new_run and todo:
@@ -292,10 +292,10 @@ class Extractor:
         spec = worker_spec(cfg, state, workers=workers, servers=list(client.servers))
         return WorkerPool(state, spec, workers=workers, handle_signals=cfg.handle_signals, hooks=self.run_hooks)
 
-    def _what_is_done(self, fmt: Any, keys: list[str], manifest: store.JsonlLog):
+    def _what_is_done(self, fmt: Any, keys: list[str], manifest: journal.JsonlLog):
         """(done, failed for good, how many stored samples are redone)."""
         cfg, out = self.cfg, self.out
-        done = store.latest_by_index(manifest.entries)
+        done = journal.latest_by_index(manifest.entries)
         compacted = (out / store.COMPACTION_JOURNAL).exists()
         if compacted:
             planning.refuse_changes_after_compaction(out, cfg.retry_failed)
@@ -308,7 +308,7 @@ class Extractor:
         redo += planning.drop_broken(out, keys, done, check_sizes=not compacted)
         failed = planning.failed_for_good(out, len(keys), done)
         if compacted:  # the failed set is fixed; a repair whose request failed on the way is retried
-            repairs = planning.repairing(store.read_jsonl(out / store.MANIFEST_NAME)[0], done)
+            repairs = planning.repairing(journal.read_jsonl(out / store.MANIFEST_NAME)[0], done)
             failed = {i: e for i, e in failed.items() if not (i in repairs and e.get("kind") in planning.RETRIED_KINDS)}
         else:
             failed = {i: e for i, e in failed.items()
@@ -339,7 +339,7 @@ class Extractor:
         failed, dropped = planning.split_dropped(not_stored)
         remaining = n - len(done) - len(not_stored)
         bad_rows_file = out / store.BAD_ROWS_NAME
-        bad_examples, _, _ = store.read_jsonl(bad_rows_file)
+        bad_examples, _, _ = journal.read_jsonl(bad_rows_file)
         summary = {
             "output": str(out), "planned": n, "done": len(done), "failed": len(failed), "dropped": len(dropped),
             "remaining": remaining, "max_length": settings.max_length, "truncation": settings.truncation,

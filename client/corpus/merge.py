@@ -62,7 +62,7 @@ from typing import Any
 from hsx import __version__ as hsx_version
 from hsx.host import usable_cores
 
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.corpus.formats import CorpusContext, format_options, get_format
 from hsx_client.corpus.settings import CorpusSettings
 from hsx_client.corpus.merge_check import PER_SHARD_CORPUS_FIELDS, MergeRefused, Shard, load_all
@@ -255,7 +255,7 @@ class Merger:
     def run(self) -> MergeResult:
         t0 = time.monotonic()
         try:
-            lock = store.DirLock(self.out).acquire("hsx merge")
+            lock = journal.DirLock(self.out).acquire("hsx merge")
         except store.StoreError as exc:
             return MergeResult(EXIT_REFUSED, "refused", {"problems": [str(exc)]})
         try:
@@ -284,7 +284,7 @@ class Merger:
         placements = [_dst_files(fmt, r) for r in rows]  # refuses unknown file layouts before any write
         plan = self._journal(shards, rows)
 
-        manifest = store.JsonlLog(out / store.MANIFEST_NAME)
+        manifest = journal.JsonlLog(out / store.MANIFEST_NAME)
         try:
             done = self._done(manifest, plan["keys"])
             todo = [r for r in rows if r.index not in done]
@@ -326,9 +326,9 @@ class Merger:
         _fault("plan")
         return plan
 
-    def _done(self, manifest: store.JsonlLog, keys: list[str]) -> dict[int, dict[str, Any]]:
+    def _done(self, manifest: journal.JsonlLog, keys: list[str]) -> dict[int, dict[str, Any]]:
         """Samples recorded by an earlier run whose files are still in place."""
-        done = store.latest_by_index(manifest.entries)
+        done = journal.latest_by_index(manifest.entries)
         for i, e in list(done.items()):
             if i >= len(keys) or e.get("key") != keys[i]:
                 raise MergeError(f"{self.out}/{store.MANIFEST_NAME}: line for index {i} does not match the merge plan")
@@ -336,7 +336,7 @@ class Merger:
                 del done[i]
         return done
 
-    def _place_all(self, todo: list[Row], placements: list, manifest: store.JsonlLog,
+    def _place_all(self, todo: list[Row], placements: list, manifest: journal.JsonlLog,
                    done: dict[int, dict[str, Any]]) -> None:
         bar = None
         if not self.quiet and todo:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx_client.corpus import plan as planning
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.corpus.formats import FORMAT_FILE
 from hsx_client.corpus.plan import ConfigError, failed_for_good, load_plan
 from hsx_client.corpus.verify import compaction_moves
@@ -114,8 +114,8 @@ def load_shard(path: Path) -> tuple[Shard | None, list[str]]:
         return None, [f"{name}: unreadable {store.CORPUS_NAME} or {FORMAT_FILE} ({exc})"]
     keys = plan["keys"]
     n = len(keys)
-    entries, _, _ = store.read_jsonl(path / store.MANIFEST_NAME)
-    done = store.latest_by_index(entries)
+    entries, _, _ = journal.read_jsonl(path / store.MANIFEST_NAME)
+    done = journal.latest_by_index(entries)
     failed = failed_for_good(path, n, done)
     counts = corpus.get("counts", {})
     problems = []

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.corpus.settings import PLAN_KEYS, ConfigError, CorpusSettings  # noqa: F401 (PLAN_KEYS, ConfigError: theirs, named here too)
 
 PLAN_VERSION = 1
@@ -360,7 +360,7 @@ def shard_resume_problems(plan: dict[str, Any], spec: ShardSpec | None) -> list[
 
 # ---------------------------------------------------------------- what is done
 def load_failed(out: Path) -> dict[int, dict[str, Any]]:
-    entries, _, _ = store.read_jsonl(Path(out) / store.FAILED_NAME)
+    entries, _, _ = journal.read_jsonl(Path(out) / store.FAILED_NAME)
     return {int(e["index"]): e for e in entries if "index" in e}
 
 
@@ -392,7 +392,7 @@ def repairing(entries: Iterable[dict[str, Any]], done: dict[int, dict[str, Any]]
     return {int(e["index"]) for e in entries if e.get("invalid") and "index" in e} - set(done)
 
 
-def invalidate(manifest: store.JsonlLog, done: dict[int, dict[str, Any]], bad: Iterable[dict[str, Any]]) -> int:
+def invalidate(manifest: journal.JsonlLog, done: dict[int, dict[str, Any]], bad: Iterable[dict[str, Any]]) -> int:
     """Append an "invalid" line for each bad sample that is done; returns how many."""
     n = 0
     for b in bad:
@@ -404,7 +404,7 @@ def invalidate(manifest: store.JsonlLog, done: dict[int, dict[str, Any]], bad: I
     return n
 
 
-def invalidate_from_verify(out: Path, manifest: store.JsonlLog, done: dict[int, dict[str, Any]]) -> int:
+def invalidate_from_verify(out: Path, manifest: journal.JsonlLog, done: dict[int, dict[str, Any]]) -> int:
     """The samples `hsx verify` found bad (verify.json) are redone; the file goes."""
     p = out / store.VERIFY_NAME
     if not p.exists():

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.host import usable_cores
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.api import HsxClient, Lease, RawResponse
 from hsx_client.errors import (
     AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError, ServersUnreachableError,
@@ -92,8 +92,8 @@ class RunState:
     served_layers: list[int]
     keys: list[str]
     by_key: dict[str, Any]
-    manifest: store.JsonlLog
-    failed_log: store.JsonlLog
+    manifest: journal.JsonlLog
+    failed_log: journal.JsonlLog
     done: dict[int, dict[str, Any]]
     failed: dict[int, dict[str, Any]]
     progress: Progress

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx.host import usable_cores
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.corpus.plan import ConfigError, failed_for_good, load_plan, split_dropped
 
 
@@ -122,7 +122,7 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
     out = Path(out)
     if not (out / store.PLAN_NAME).exists():
         raise ConfigError(f"{out} is not an hsx corpus (no {store.PLAN_NAME})")
-    with store.DirLock(out).acquire("hsx verify"):
+    with journal.DirLock(out).acquire("hsx verify"):
         store.clean_temp_files(out)  # a killed writer's leftovers (finalize's .hsx_finalize... dir)
         if get_format is None:
             from hsx_client.corpus.formats import get_format
@@ -135,8 +135,8 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
 
         settings = CorpusSettings.saved(plan["settings"])
         fmt = get_format(settings.format, **format_options(settings))
-        entries, _, torn = store.read_jsonl(out / store.MANIFEST_NAME)
-        done = store.latest_by_index(entries)
+        entries, _, torn = journal.read_jsonl(out / store.MANIFEST_NAME)
+        done = journal.latest_by_index(entries)
         problems: list[str] = []
         extra = [i for i in done if i >= n]
         if extra:

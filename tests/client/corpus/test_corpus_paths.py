@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.corpus import verify as verify_mod
 from hsx_client.corpus.merge import run_merge
 from hsx_client.corpus.verify import verify_corpus
@@ -80,8 +80,8 @@ def test_inside_refuses_absolute_dotdot_and_symlinks_out(tmp_path):
 def test_verify_never_reads_a_file_outside_the_corpus(tmp_path, inputs, opened, how):
     out = tmp_path / "corpus"
     extract(out, inputs, max_samples=6)
-    entries, _, _ = store.read_jsonl(out / store.MANIFEST_NAME)
-    e = store.latest_by_index(entries)[2]
+    entries, _, _ = journal.read_jsonl(out / store.MANIFEST_NAME)
+    e = journal.latest_by_index(entries)[2]
     (rel, meta), = e["files"].items()
     far = outside_copy(tmp_path, out, rel)
     if how == "absolute":
@@ -115,8 +115,8 @@ def test_resume_refuses_a_manifest_that_leads_outside(tmp_path, inputs):
     out = tmp_path / "corpus"
     extract(out, inputs, max_samples=6)
     (out / store.CORPUS_NAME).unlink()  # not finished: the rerun would check and reuse the samples
-    entries, _, _ = store.read_jsonl(out / store.MANIFEST_NAME)
-    (rel, meta), = store.latest_by_index(entries)[1]["files"].items()
+    entries, _, _ = journal.read_jsonl(out / store.MANIFEST_NAME)
+    (rel, meta), = journal.latest_by_index(entries)[1]["files"].items()
     rewrite_manifest_files(out, 1, {str(outside_copy(tmp_path, out, rel)): meta})
     cfg = ex.ExtractConfig(client=ClientSettings.given(["http://fake"]), output=out, inputs=[str(inputs)], format="speculators",
                            quiet=True, max_samples=6)

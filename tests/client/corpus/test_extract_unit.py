@@ -12,7 +12,7 @@ from _extract_fakes import (  # noqa: F401  (data: a fixture)
     N, FakeFormat, FakeServer, cfg_for, data, hooks, manifest_done, run,
 )
 from hsx_client.corpus import extract as ex
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.corpus.plan import estimate_tokens, pending
 from hsx_client.corpus.verify import verify_corpus
 
@@ -132,7 +132,7 @@ def test_bad_request_recorded_and_skipped(tmp_path, data):
     assert r.status == "complete_with_failures" and "--retry-failed" in r.summary["message"]
     assert r.summary["failed_reasons"] == [{"reason": "400 invalid: bad sample", "count": 2,
                                             "example": r.summary["failed_reasons"][0]["example"]}]
-    failed, _, _ = store.read_jsonl(out / store.FAILED_NAME)
+    failed, _, _ = journal.read_jsonl(out / store.FAILED_NAME)
     assert {f["key"] for f in failed} == {"in.jsonl:4", "in.jsonl:6"}
     assert all(f["kind"] == "bad_request" and f["status"] == 400 for f in failed)
     corpus = json.loads((out / "hsx_corpus.json").read_text())
@@ -202,7 +202,7 @@ def test_truncated_file_redone_on_resume_without_verify(tmp_path, data):
 
 def test_lock_excludes_second_writer(tmp_path, data):
     out = tmp_path / "out"
-    lock = store.DirLock(out).acquire()
+    lock = journal.DirLock(out).acquire()
     try:
         r = run(cfg_for(data, out), FakeFormat(), FakeServer())
         assert r.exit_code == 2 and "in use" in r.summary["message"]

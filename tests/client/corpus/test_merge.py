@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.corpus.verify import compaction_moves, verify_corpus
 from hsx_client.corpus.formats import get_format
 from hsx_client.corpus.merge import main as merge_main
@@ -36,8 +36,8 @@ def samples_by_key(out: Path) -> dict[str, dict]:
     """{key: input_ids, loss_mask and every state tensor} of a finished corpus, by key."""
     plan = json.loads((out / "plan.json").read_text())
     fmt_name = plan["settings"]["format"]
-    entries, _, _ = store.read_jsonl(out / "manifest.jsonl")
-    done = store.latest_by_index(entries)
+    entries, _, _ = journal.read_jsonl(out / "manifest.jsonl")
+    done = journal.latest_by_index(entries)
     moves = compaction_moves(out)
     res = {}
     if fmt_name == "speculators":
@@ -135,8 +135,8 @@ def test_merge_equals_a_single_client_run(tmp_path, inputs, fmt, capsys):
     assert sum(s["done"] for s in listed) == 20 and corpus["merge"]["num_shards"] == 3
 
     # no copy of the states: every sample file is the shard's own inode; the shards stay whole
-    entries, _, _ = store.read_jsonl(out / "manifest.jsonl")
-    shard_files = [{e["index"]: e["files"] for e in store.read_jsonl(s / "manifest.jsonl")[0]} for s in shards]
+    entries, _, _ = journal.read_jsonl(out / "manifest.jsonl")
+    shard_files = [{e["index"]: e["files"] for e in journal.read_jsonl(s / "manifest.jsonl")[0]} for s in shards]
     for e in entries:
         (rel,) = e["files"]
         (src,) = shard_files[e["shard"]][e["shard_index"]]
@@ -272,17 +272,17 @@ def test_sigkill_at_every_step_then_rerun_gives_the_same_corpus(tmp_path, fmt):
     ref = tmp_path / "ref"
     assert run_merge(ref, shards).exit_code == 0
     want = samples_by_key(ref)
-    want_index = {e["index"]: e["key"] for e in store.read_jsonl(ref / "manifest.jsonl")[0]}
+    want_index = {e["index"]: e["key"] for e in journal.read_jsonl(ref / "manifest.jsonl")[0]}
     # kill point -> samples recorded in the manifest by then (batches of 64)
     for point, recorded in (("plan", 0), ("place:10", 0), ("manifest:64", 64), ("place:100", 64), ("finalize", 150)):
         out = tmp_path / f"out-{point.replace(':', '-')}"
         killed = merge_cli(out, shards, env={"HSX_FAULT_MERGE": point})
         assert killed.returncode == -signal.SIGKILL, (point, killed.stderr)
         assert (out / "plan.json").exists() and not (out / "hsx_corpus.json").exists()
-        assert len(store.read_jsonl(out / "manifest.jsonl")[0]) == recorded, point
+        assert len(journal.read_jsonl(out / "manifest.jsonl")[0]) == recorded, point
         rerun = merge_cli(out, shards, "--json")
         assert rerun.returncode == 0, (point, rerun.stderr)
-        entries, _, torn = store.read_jsonl(out / "manifest.jsonl")
+        entries, _, torn = journal.read_jsonl(out / "manifest.jsonl")
         assert torn == 0 and sorted(e["index"] for e in entries) == list(range(150)), point  # each sample once
         assert {e["index"]: e["key"] for e in entries} == want_index
         assert_same_samples(samples_by_key(out), want)

@@ -13,7 +13,7 @@ import hashlib
 import pytest
 import xxhash
 
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 
 
 def _tmp_files(root):
@@ -111,15 +111,15 @@ def test_a_formats_own_temp_names_are_cleaned_after_a_crash(tmp_path, monkeypatc
 
 def test_manifest_torn_line_recovery(tmp_path):
     p = tmp_path / "manifest.jsonl"
-    log = store.JsonlLog(p)
+    log = journal.JsonlLog(p)
     for i in range(3):
         log.append({"index": i, "key": f"k{i}"})
     log.close()
     with open(p, "ab") as f:  # a crash in the middle of an append
         f.write(b'{"index": 3, "key": "k3", "fil')
-    entries, good, bad = store.read_jsonl(p)
+    entries, good, bad = journal.read_jsonl(p)
     assert [e["index"] for e in entries] == [0, 1, 2] and bad == 1
-    log = store.JsonlLog(p)  # reopening cuts the torn tail
+    log = journal.JsonlLog(p)  # reopening cuts the torn tail
     assert [e["index"] for e in log.entries] == [0, 1, 2]
     assert p.stat().st_size == good
     log.append({"index": 3, "key": "k3"})
@@ -131,7 +131,7 @@ def test_manifest_torn_line_recovery(tmp_path):
 def test_manifest_garbage_last_line_with_newline(tmp_path):
     p = tmp_path / "m.jsonl"
     p.write_bytes(b'{"index": 0}\n{"index": 1, "ke\n')
-    entries, good, bad = store.read_jsonl(p)
+    entries, good, bad = journal.read_jsonl(p)
     assert [e["index"] for e in entries] == [0] and good == len(b'{"index": 0}\n') and bad == 1
 
 
@@ -139,11 +139,11 @@ def test_manifest_concurrent_appends(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     p = tmp_path / "m.jsonl"
-    log = store.JsonlLog(p)
+    log = journal.JsonlLog(p)
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: log.append({"index": i, "pad": "x" * 1000}), range(200)))
     log.close()
-    entries, _, bad = store.read_jsonl(p)
+    entries, _, bad = journal.read_jsonl(p)
     assert bad == 0 and sorted(e["index"] for e in entries) == list(range(200))
 
 
@@ -154,7 +154,7 @@ def test_latest_by_index_and_invalidation():
         {"index": 0, "v": 2},
         {"index": 1, "invalid": True},
     ]
-    latest = store.latest_by_index(entries)
+    latest = journal.latest_by_index(entries)
     assert latest == {0: {"index": 0, "v": 2}}
 
 
@@ -172,27 +172,27 @@ def test_size_and_checksum_checks(tmp_path):
 
 
 def test_lock_exclusion(tmp_path):
-    lock = store.DirLock(tmp_path).acquire("hsx extract")
+    lock = journal.DirLock(tmp_path).acquire("hsx extract")
     try:
         with pytest.raises(store.LockedError) as ei:
-            store.DirLock(tmp_path).acquire()
+            journal.DirLock(tmp_path).acquire()
         assert f"pid={os.getpid()}" in str(ei.value)
         code = (
-            "import sys; from hsx_client.corpus import store\n"
-            "try:\n store.DirLock(sys.argv[1]).acquire()\nexcept store.LockedError as e:\n print(e); sys.exit(3)\n"
+            "import sys; from hsx_client.corpus import journal, store\n"
+            "try:\n journal.DirLock(sys.argv[1]).acquire()\nexcept store.LockedError as e:\n print(e); sys.exit(3)\n"
         )
         r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
         assert r.returncode == 3 and "in use" in r.stdout
     finally:
         lock.release()
-    store.DirLock(tmp_path).acquire().release()  # free again
+    journal.DirLock(tmp_path).acquire().release()  # free again
 
 
 def test_lock_released_when_process_dies(tmp_path):
-    code = "import os, sys; from hsx_client.corpus import store; store.DirLock(sys.argv[1]).acquire(); os._exit(9)"
+    code = "import os, sys; from hsx_client.corpus import journal; journal.DirLock(sys.argv[1]).acquire(); os._exit(9)"
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)])
     assert r.returncode == 9
-    store.DirLock(tmp_path).acquire().release()
+    journal.DirLock(tmp_path).acquire().release()
 
 
 def test_disk_space_refusal(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hsx_client.corpus import store
+from hsx_client.corpus import journal, store
 from hsx_client.corpus.cli import build_extract_parser
 from hsx_client.corpus.progress import Progress
 from hsx_client.corpus.run import RunHooks, RunState
@@ -26,7 +26,7 @@ def run_pool(tmp_path, workers=2, stop_after=None, **behaviour):
     out = tmp_path / "out"
     out.mkdir()
     keys = [f"k{i}" for i in range(N)]
-    with store.JsonlLog(out / store.MANIFEST_NAME) as manifest, store.JsonlLog(out / store.FAILED_NAME) as failed:
+    with journal.JsonlLog(out / store.MANIFEST_NAME) as manifest, journal.JsonlLog(out / store.FAILED_NAME) as failed:
         st = RunState(client=None, fmt=None, ctx=None, out=out, settings=behaviour, served_layers=[], keys=keys,
                       by_key={k: Sample(k, {}) for k in keys}, manifest=manifest, failed_log=failed, done={},
                       failed={}, progress=Progress(N, quiet=True))
