@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "verify":
         from hsx_client.corpus.cli import verify_main as run
     elif command == "merge":
-        from hsx_client.corpus.merge import main as run
+        from hsx_client.corpus.cli import merge_main as run
     elif command == "demo":
         from hsx.demo import main as run
     elif command == "bench":

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from hsx_client.corpus.cli import build_extract_parser
-from hsx_client.corpus.merge import build_parser as build_merge_parser
+from hsx_client.corpus.cli import build_merge_parser
 from hsx_client.corpus.plan import ShardSpec
 from hsx_client.settings import ClientSettings
 from hsx_client.corpus.shard import resolve

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx_client.corpus import plan as planning
-from hsx_client.corpus import journal, store
+from hsx_client.corpus import disk_estimate, journal, store
 from hsx_client.api import HsxClient
 from hsx_client.errors import AuthenticationError, HsxError, RetriesExhaustedError, ServersUnreachableError
 from hsx_client.corpus.plan import ConfigError
@@ -325,7 +325,7 @@ class Extractor:
             corpus.unlink()
             store.fsync_dir(self.out)
         counts = self._token_ratio
-        need = planning.disk_needed((samples.by_key[keys[i]].request for i in todo), fmt.bytes_per_token(ctx),
+        need = disk_estimate.disk_needed((samples.by_key[keys[i]].request for i in todo), fmt.bytes_per_token(ctx),
                                     settings.max_length, info.get("max_model_len"),
                                     counts.ratio if counts else 1.0, counts.kept if counts else 1.0)
         est = store.check_disk_space(self.out, need, force=self.cfg.force_disk)

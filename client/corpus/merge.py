@@ -44,7 +44,6 @@ manifest lines), `manifest:N` (after N manifest lines), `finalize` (before hsx_c
 
 from __future__ import annotations
 
-import argparse
 import errno
 import hashlib
 import json
@@ -443,48 +442,3 @@ class Merger:
 
 def run_merge(out: Path, shard_dirs: list[Path], *, workers: int | None = None, quiet: bool = True) -> MergeResult:
     return Merger(out, shard_dirs, workers=workers, quiet=quiet).run()
-
-
-# ---------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hsx merge",
-        description="Merge the shards of one sharded run (`hsx extract --shard I/N`) into one corpus OUT. Files are "
-                    "hard-linked from the shards (copied, checksummed, across filesystems); the shards stay intact.",
-        epilog="exit codes: 0 merged; 1 stopped on an error (rerun the same command to resume); 2 refused (the "
-               "shards disagree, are incomplete, miss or repeat an index; OUT is in use or holds something else); "
-               "130 interrupted (rerun to resume).",
-    )
-    p.add_argument("out", type=Path, metavar="OUT", help="the merged corpus directory (new, or an interrupted merge)")
-    p.add_argument("shards", type=Path, nargs="+", metavar="SHARD_DIR", help="every shard's corpus directory")
-    p.add_argument("--workers", type=int, help="threads placing files (default: 2 x CPUs, at most 8)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result = run_merge(args.out, args.shards, workers=args.workers, quiet=args.quiet)
-    s = result.summary
-    if result.status == "refused":
-        for line in s["problems"]:
-            print(f"hsx merge: {line}", file=sys.stderr)
-    elif result.status != "complete":
-        print(f"hsx merge: {s['message']}", file=sys.stderr)
-    else:
-        print(f"hsx merge: {s['shards']} shards -> {s['samples']} samples, {s['tokens']} tokens in {s['output']} "
-              f"({s['linked']} files linked, {s['copied']} copied"
-              + (f", {s['rewritten']} rewritten without their shard's index" if s.get("rewritten") else "")
-              + f", {s['seconds']} s)"
-              + (f"; {s['failed_in_shards']} sample(s) had failed in their shards" if s["failed_in_shards"] else "")
-              + (f"; {s['dropped_in_shards']} sample(s) were dropped in their shards (no supervised token)"
-                 if s.get("dropped_in_shards") else "")
-              + (f"; {s['message']}" if s.get("message") else ""), file=sys.stderr)
-    if args.json:
-        print(json.dumps({**s, "status": result.status, "exit_code": result.exit_code}, indent=1, default=str))
-    return result.exit_code
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

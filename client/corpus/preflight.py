@@ -10,6 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hsx_client.corpus import disk_estimate
 from hsx_client.corpus import plan as planning
 from hsx_client.api import HsxClient
 from hsx_client.errors import HsxError
@@ -32,7 +33,7 @@ async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samp
                       settings: CorpusSettings) -> TokenCounts | None:
     """Count up to COUNT_SAMPLE of `keys` with the servers' tokenizer (`POST /tokenize`,
     no prefill); None when the servers cannot count (an older server)."""
-    pick = keys if len(keys) <= planning.COUNT_SAMPLE else random.Random(0).sample(keys, planning.COUNT_SAMPLE)
+    pick = keys if len(keys) <= disk_estimate.COUNT_SAMPLE else random.Random(0).sample(keys, disk_estimate.COUNT_SAMPLE)
     max_len, trunc = settings.max_length, settings.truncation
 
     async def one(key: str) -> tuple[int, int, int, int] | None:
@@ -48,7 +49,7 @@ async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samp
         n, mask = len(answer["token_ids"]), answer.get("loss_mask")
         stored = 0 if mask is not None and not any(mask) else n
         before = int(answer.get("num_input_tokens") or n)
-        return before, planning.estimate_tokens(body, None, None), n, stored
+        return before, disk_estimate.estimate_tokens(body, None, None), n, stored
 
     try:
         counts = [c for c in await asyncio.gather(*(one(k) for k in pick)) if c is not None]

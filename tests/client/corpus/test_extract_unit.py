@@ -13,7 +13,8 @@ from _extract_fakes import (  # noqa: F401  (data: a fixture)
 )
 from hsx_client.corpus import extract as ex
 from hsx_client.corpus import journal, store
-from hsx_client.corpus.plan import estimate_tokens, pending
+from hsx_client.corpus.disk_estimate import estimate_tokens
+from hsx_client.corpus.plan import pending
 from hsx_client.corpus.verify import verify_corpus
 
 

@@ -24,7 +24,7 @@ import torch
 from hsx_client.corpus import journal, store
 from hsx_client.corpus.verify import compaction_moves, verify_corpus
 from hsx_client.corpus.formats import get_format
-from hsx_client.corpus.merge import main as merge_main
+from hsx_client.corpus.cli import merge_main
 from hsx_client.corpus.merge import run_merge
 from _shard_helpers import FakeHsx, extract, merge_cli, write_inputs
 
