@@ -204,6 +204,12 @@ def extract_main(argv: list[str] | None = None) -> int:
     return result.exit_code
 
 
+def _report_flags(p: argparse.ArgumentParser, what: str) -> argparse.ArgumentParser:
+    p.add_argument("--json", action="store_true", help=f"print the {what} as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
 def build_verify_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="hsx verify",
@@ -212,10 +218,8 @@ def build_verify_parser() -> argparse.ArgumentParser:
         "are listed in DIR/verify.json; the next `hsx extract` on DIR redoes exactly those.",
     )
     p.add_argument("dir", type=Path, metavar="DIR")
-    p.add_argument("--workers", type=_positive, help="checking threads (default: CPU count, at most 16)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
+    p.add_argument("--workers", type=_positive, help="checking threads (default: usable cores, at most 16)")
+    return _report_flags(p, "report")
 
 
 def verify_main(argv: list[str] | None = None) -> int:
@@ -264,10 +268,8 @@ def build_merge_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("out", type=Path, metavar="OUT", help="the merged corpus directory (new, or an interrupted merge)")
     p.add_argument("shards", type=Path, nargs="+", metavar="SHARD_DIR", help="every shard's corpus directory")
-    p.add_argument("--workers", type=int, help="threads placing files (default: 2 x CPUs, at most 8)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
+    p.add_argument("--workers", type=int, help="threads placing files (default: 2 x usable cores, at most 8)")
+    return _report_flags(p, "summary")
 
 
 def merge_main(argv: list[str] | None = None) -> int:

@@ -94,6 +94,13 @@ class FormatDefaults:
         return None
 
 
+class Eagle3Format(FormatDefaults):
+    """A corpus of EAGLE-3 draft training: 3 auxiliary layers plus the last (`eagle3_layer_problem`)."""
+
+    def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
+        return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
+
+
 def drop_reason(fmt: CorpusFormat, mask: np.ndarray | None) -> str | None:
     """Why a response gives the trainer nothing to learn (the sample is dropped, counted as
     such, never stored), or None. No mask: every token is supervised."""

@@ -14,7 +14,7 @@ import torch
 from hsx import dtypes
 from hsx_client.corpus import store
 from hsx_client.corpus.formats.common import (
-    FORMAT_FILE, CorpusContext, CorpusFormatError, FormatDefaults, SampleOutput, check_decoded, eagle3_layer_problem,
+    FORMAT_FILE, CorpusContext, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded,
     format_json, make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
 from hsx_client.postnorm import apply_final_norm
@@ -23,7 +23,7 @@ from hsx_client.corpus.vocab import count_supervised, specforge_vocab_files
 if TYPE_CHECKING:
     from hsx.wire import Decoded
 
-class SpecForgeFormat(FormatDefaults):
+class SpecForgeFormat(Eagle3Format):
     """SpecForge 0.2 offline: one torch.save'd `.ckpt` per sample in a sharded tree.
 
     SpecForge lists every `*.ckpt` under the directory and has no positional index, so
@@ -44,9 +44,6 @@ class SpecForgeFormat(FormatDefaults):
         if not mask[:-1].any():
             return "no supervised token but the last, which SpecForge's loader unmasks"
         return None
-
-    def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
-        return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
 
     @staticmethod
     def ckpt_path(index: int) -> str:

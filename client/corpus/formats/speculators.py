@@ -15,8 +15,8 @@ import torch
 from hsx import dtypes, wire
 from hsx_client.corpus import store
 from hsx_client.corpus.formats.common import (
-    COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormatError, FormatDefaults, SampleOutput, check_decoded,
-    eagle3_layer_problem, format_json, make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
+    COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded,
+    format_json, make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
 from hsx_client.corpus.vocab import count_supervised, speculators_vocab_files
 
@@ -45,7 +45,7 @@ def sample_file_parts(ctx: CorpusContext, tensors: list[tuple[str, str, torch.Te
     return [wire.encode_header(specs, meta), *bufs]
 
 
-class SpeculatorsFormat(FormatDefaults):
+class SpeculatorsFormat(Eagle3Format):
     """speculators 0.9: positional hs_{i}.safetensors + a `datasets` table.
 
     Failed samples: speculators reads row i from hs_i, so the table cannot have holes.
@@ -64,9 +64,6 @@ class SpeculatorsFormat(FormatDefaults):
     name = "speculators"
     needs_final_norm = False  # states stay pre-norm
     format_facts: dict = {}  # what a variant adds to hsx_format.json (speculators_variants.py)
-
-    def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
-        return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
 
     @staticmethod
     def hs_path(index: int) -> str:
