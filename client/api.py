@@ -343,28 +343,28 @@ class HsxClient:
                         resp.status_code, content, resp.headers, server=server.url, request_id=resp_rid
                     )
                 t_headers = time.perf_counter()
-                encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+                compression = resp.headers.get("content-encoding", "identity").strip().lower()
                 ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
                 if ctype == bf16split.MEDIA_TYPE:  # a zstd stream of its own: not a content coding
-                    encoding = "bf16split"
+                    compression = "bf16split"
                 if resp.is_stream_consumed:  # a transport that hands back read responses (MockTransport)
                     raw = resp.content
                     wire_bytes = resp.num_bytes_downloaded or len(raw)
-                    encoding = "bf16split" if encoding == "bf16split" else "identity"
-                elif encoding == "zstd":
+                    compression = "bf16split" if compression == "bf16split" else "identity"
+                elif compression == "zstd":
                     decoder = ZstdBodyDecoder()  # decodes as the chunks arrive (client/zstd_stream.py)
                     async for c in resp.aiter_raw():
                         decoder.feed(c)
                     decoder.finish()
                     raw, wire_bytes = b"", decoder.received  # raw: the decoder's result, below
-                elif encoding in ("identity", "", "bf16split"):
+                elif compression in ("identity", "", "bf16split"):
                     chunks = [c async for c in resp.aiter_raw()]
                     raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                     wire_bytes = len(raw)
                 else:  # gzip etc.: let httpx decode
                     raw = await resp.aread()
                     wire_bytes = resp.num_bytes_downloaded
-                    encoding = "identity"
+                    compression = "identity"
         except BaseException as exc:  # however the receive ended, the decoder's thread ends too
             if decoder is not None:
                 decoder.abort()
@@ -393,7 +393,7 @@ class HsxClient:
             elif decoder is not None:
                 body = finish_body(raw, "identity")  # decoded already: the layout check alone
             else:
-                body = await asyncio.to_thread(finish_body, raw, encoding)
+                body = await asyncio.to_thread(finish_body, raw, compression)
                 server.decode_s += time.perf_counter() - t_body
         except Exception as exc:  # zstd error or malformed safetensors
             if lease is not None:  # give the range back now rather than at its expiry

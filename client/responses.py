@@ -36,9 +36,9 @@ class RawResponse:
         return wire.decode(self.body, self.lease.states if self.lease else None)
 
 
-def finish_body(raw: bytes, encoding: str) -> bytes:
+def finish_body(raw: bytes, compression: str) -> bytes:
     """bf16split or identity bodies (zstd ones are decoded as they arrive: zstd_stream.py)."""
-    if encoding == "bf16split":
+    if compression == "bf16split":
         return bf16split.decode_body(raw)  # checks the result's layout itself
     wire.check_body(raw)
     return raw
