@@ -58,3 +58,26 @@ def test_a_bad_variable_is_a_one_line_usage_error(monkeypatch, capsys, name, val
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"hsx extract: {name}={value!r}: ") and words in err, err
+
+
+def test_hsx_extract_passes_one_client_settings_whole(monkeypatch, tmp_path):
+    """The environment, then the flags, land in ExtractConfig.client; HsxClient is built from it
+    (before, each of the eight fields was copied by name in the CLI, ExtractConfig and the workers)."""
+    from hsx_client.corpus import extract
+
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    seen = {}
+
+    def capture(cfg):
+        seen["cfg"] = cfg
+        return extract.ExtractResult(0, "refused", {"message": "captured"})
+
+    monkeypatch.setattr(extract, "run_extract", capture)
+    cli.extract_main(["--output", str(tmp_path / "o"), "--max-attempts", "2", "--compression", "zstd"])
+    conn = seen["cfg"].client
+    assert isinstance(conn, ClientSettings)
+    assert (conn.server, conn.api_key, conn.timeout, conn.max_attempts, conn.compression, conn.transfer) == (
+        ["http://a:8001", "http://b:8001"], "k", 12.5, 2, "zstd", "http")
+    client = HsxClient.from_settings(conn)
+    assert (client.servers, client.max_attempts, client.compression) == (conn.server, 2, "zstd")
