@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx_client.corpus import journal, store
-from hsx_client.corpus.settings import PLAN_KEYS, ConfigError, CorpusSettings  # noqa: F401 (PLAN_KEYS, ConfigError: theirs, named here too)
+from hsx_client.corpus.settings import ConfigError, CorpusSettings  # noqa: F401 (ConfigError: settings.py's, named here too)
 
 PLAN_VERSION = 1
 

@@ -6,7 +6,6 @@ import json
 from collections import Counter, namedtuple
 
 import httpx
-import pytest
 
 from _extract_fakes import (  # noqa: F401  (data: a fixture)
     N, FakeFormat, FakeServer, cfg_for, data, hooks, manifest_done, run,
