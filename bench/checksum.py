@@ -1,5 +1,5 @@
 """The client's cost of storing one sample, per GB, with the corpus checksum it records
-(XXH3-128, client/store.py) against SHA-256 (what it recorded before 2026-12-02), in one
+(XXH3-128, client/corpus/store.py) against SHA-256 (what it recorded before 2026-12-02), in one
 process: the checksum alone, and the whole store step (write to a temporary name, fsync,
 rename, checksum: `store.write_files_atomic`) as the client runs it, then the same write
 with SHA-256 computed instead.
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from hsx_tools.bench.common import hardware
-from hsx_client import store
+from hsx_client.corpus import store
 
 
 def _cpu() -> float:

@@ -38,7 +38,6 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -46,8 +45,9 @@ import httpx
 from hsx import __version__ as hsx_version
 from hsx import bf16split, wire
 from hsx_client import shm
+from hsx_client.responses import Lease, RawResponse, accept_header, finish_body, is_local
 from hsx_client.servers import ServerSet, ServerState
-from hsx_client.settings import DEFAULTS
+from hsx_client.settings import COMPRESSIONS, DEFAULTS, TRANSFERS, ClientSettings
 from hsx_client.zstd_stream import ZstdBodyDecoder
 
 from .errors import (
@@ -60,56 +60,9 @@ from .errors import (
 )
 
 
-@dataclass
-class Lease:
-    """States left in a same-host server's arena: valid until released (see release_lease)."""
-
-    id: str
-    server: str
-    states: memoryview  # read-only view of the arena range
-
-
-@dataclass
-class RawResponse:
-    """A successful `POST /hidden_states`: the decompressed safetensors body and how it came.
-    With a lease, `body` lacks the hidden_states bytes: decode with `wire.decode(body,
-    lease.states)` and call `HsxClient.release_lease` once they are stored."""
-
-    body: bytes
-    request_id: str | None
-    server: str
-    wire_bytes: int  # bytes on the wire (compressed when the server compressed)
-    attempts: int = 1
-    lease: Lease | None = None
-
-    def decode(self) -> wire.Decoded:
-        return wire.decode(self.body, self.lease.states if self.lease else None)
-
-
 # Seconds to open a connection: a live server accepts in milliseconds even when busy (admission
 # answers 503 at once), so a few seconds tell a wrong host from a slow one without minutes of waiting.
 CONNECT_TIMEOUT = 5.0
-
-
-def _finish_body(raw: bytes, encoding: str) -> bytes:
-    """bf16split or identity bodies (zstd ones are decoded as they arrive: zstd_stream.py)."""
-    if encoding == "bf16split":
-        return bf16split.decode_body(raw)  # checks the result's layout itself
-    wire.check_body(raw)
-    return raw
-
-
-CODINGS = ("auto", "zstd", "bf16split", "none")
-
-
-def _accept(lease: bool, split: bool) -> str:
-    kinds = ([wire.LEASE_MEDIA_TYPE] if lease else []) + ([bf16split.MEDIA_TYPE] if split else [])
-    return ", ".join([*kinds, f"{wire.MEDIA_TYPE};q=0.5"]) if kinds else wire.MEDIA_TYPE
-
-
-def _is_local(url: str) -> bool:
-    host = (httpx.URL(url).host or "").lower()
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
 
 
 class HsxClient:
@@ -132,10 +85,10 @@ class HsxClient:
         compression: str = DEFAULTS.compression,
         transfer: str = DEFAULTS.transfer,
     ) -> None:
-        if compression not in CODINGS:
-            raise ValueError(f"compression must be one of {', '.join(CODINGS)}, not {compression!r}")
-        if transfer not in ("auto", "http"):
-            raise ValueError(f"transfer must be auto or http, not {transfer!r}")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}, not {compression!r}")
+        if transfer not in TRANSFERS:
+            raise ValueError(f"transfer must be one of {', '.join(TRANSFERS)}, not {transfer!r}")
         if isinstance(servers, str):
             servers = [servers]
         urls = [s.rstrip("/") for s in servers if s and s.strip()]
@@ -161,18 +114,26 @@ class HsxClient:
         self.compression = compression
         self.transfer = transfer
 
-    def _coding_for(self, url: str) -> str:
+    @classmethod
+    def from_settings(cls, settings: ClientSettings, **kw: Any) -> HsxClient:
+        """A client for the connection `settings` describe (its servers too); `kw`: the other arguments."""
+        return cls(settings.server, api_key=settings.api_key, concurrency_per_server=settings.concurrency_per_server,
+                   timeout=settings.timeout, max_attempts=settings.max_attempts,
+                   unhealthy_cooldown=settings.unhealthy_cooldown, compression=settings.compression,
+                   transfer=settings.transfer, **kw)
+
+    def _compression_for(self, url: str) -> str:
         """identity, zstd or bf16split. Compression costs ~0.5-1 GB/s per core at each end
         (bench/README.md), more than a loopback or same-host link is worth: `auto` asks
         identity from local servers and zstd from the others. Not bf16split, although it
         is smaller (1.5x vs 1.27x): on the H200 (vLLM 0.33, 2026-12-01) one client process
         decoded it at half zstd's rate (0.102x vs 0.133x of plain prefill over loopback)."""
         if self.compression == "auto":
-            return "identity" if _is_local(url) else "zstd"
+            return "identity" if is_local(url) else "zstd"
         return "identity" if self.compression == "none" else self.compression
 
     def _encoding_for(self, url: str) -> str:
-        return "identity" if self._coding_for(url) == "identity" else "zstd"
+        return "identity" if self._compression_for(url) == "identity" else "zstd"
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "HsxClient":
@@ -361,7 +322,7 @@ class HsxClient:
         http = self._ensure_open()
         headers = {
             "Content-Type": "application/json",
-            "Accept": _accept(arena is not None, self._coding_for(server.url) == "bf16split"),
+            "Accept": accept_header(arena is not None, self._compression_for(server.url) == "bf16split"),
             "Accept-Encoding": self._encoding_for(server.url),
             "X-Request-Id": rid,
         }
@@ -379,28 +340,28 @@ class HsxClient:
                         resp.status_code, content, resp.headers, server=server.url, request_id=resp_rid
                     )
                 t_headers = time.perf_counter()
-                encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+                compression = resp.headers.get("content-encoding", "identity").strip().lower()
                 ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
                 if ctype == bf16split.MEDIA_TYPE:  # a zstd stream of its own: not a content coding
-                    encoding = "bf16split"
+                    compression = "bf16split"
                 if resp.is_stream_consumed:  # a transport that hands back read responses (MockTransport)
                     raw = resp.content
                     wire_bytes = resp.num_bytes_downloaded or len(raw)
-                    encoding = "bf16split" if encoding == "bf16split" else "identity"
-                elif encoding == "zstd":
+                    compression = "bf16split" if compression == "bf16split" else "identity"
+                elif compression == "zstd":
                     decoder = ZstdBodyDecoder()  # decodes as the chunks arrive (client/zstd_stream.py)
                     async for c in resp.aiter_raw():
                         decoder.feed(c)
                     decoder.finish()
                     raw, wire_bytes = b"", decoder.received  # raw: the decoder's result, below
-                elif encoding in ("identity", "", "bf16split"):
+                elif compression in ("identity", "", "bf16split"):
                     chunks = [c async for c in resp.aiter_raw()]
                     raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
                     wire_bytes = len(raw)
                 else:  # gzip etc.: let httpx decode
                     raw = await resp.aread()
                     wire_bytes = resp.num_bytes_downloaded
-                    encoding = "identity"
+                    compression = "identity"
         except BaseException as exc:  # however the receive ended, the decoder's thread ends too
             if decoder is not None:
                 decoder.abort()
@@ -427,9 +388,9 @@ class HsxClient:
                     raise wire.WireFormatError("the lease names another arena (server restarted?)")
                 lease.states = arena.view(int(desc["offset"]), int(desc["nbytes"]))
             elif decoder is not None:
-                body = _finish_body(raw, "identity")  # decoded already: the layout check alone
+                body = finish_body(raw, "identity")  # decoded already: the layout check alone
             else:
-                body = await asyncio.to_thread(_finish_body, raw, encoding)
+                body = await asyncio.to_thread(finish_body, raw, compression)
                 server.decode_s += time.perf_counter() - t_body
         except Exception as exc:  # zstd error or malformed safetensors
             if lease is not None:  # give the range back now rather than at its expiry

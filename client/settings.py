@@ -11,7 +11,7 @@ flag > an environment variable > the default.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -20,7 +20,17 @@ from typing_extensions import Annotated
 from hsx.host import usable_cores
 
 
+# The choices of the connection, written once: the flags, the environment and HsxClient check them here.
+Compression = Literal["auto", "zstd", "bf16split", "none"]  # the response body's compression (wire: Accept-Encoding / media type)
+Transfer = Literal["auto", "http"]
+COMPRESSIONS: tuple[str, ...] = get_args(Compression)
+TRANSFERS: tuple[str, ...] = get_args(Transfer)
+
+
 class ClientSettings(BaseSettings):
+    """The connection to the servers, one object passed whole (HsxClient.from_settings, ExtractConfig.client,
+    the worker processes' spec)."""
+
     model_config = SettingsConfigDict(env_prefix="HSX_", extra="ignore")
 
     server: Annotated[list[str], NoDecode] = Field(default_factory=list, description="hsx server base URLs")
@@ -28,10 +38,10 @@ class ClientSettings(BaseSettings):
     concurrency_per_server: int = Field(8, ge=1, description="requests in flight per server")
     timeout: float = Field(600.0, gt=0, description="seconds per request")
     max_attempts: int = Field(10, ge=1, description="attempts per request before giving up")
-    compression: Literal["auto", "zstd", "bf16split", "none"] = Field(
-        "auto", description="response coding: auto = identity from local servers, zstd from others"
+    compression: Compression = Field(
+        "auto", description="response compression: auto = none from local servers, zstd from others"
     )
-    transfer: Literal["auto", "http"] = Field(
+    transfer: Transfer = Field(
         "auto", description="auto = same-host servers hand over the states in shared memory (leases)"
     )
     unhealthy_cooldown: float = Field(10.0, gt=0, description="seconds a failing server is set aside")
@@ -42,6 +52,19 @@ class ClientSettings(BaseSettings):
         if isinstance(value, str):
             return [u.strip() for u in value.split(",") if u.strip()]
         return value
+
+
+    @classmethod
+    def given(cls, server: list[str] | str, **values: object) -> ClientSettings:
+        """These values over the defaults, validated, never the environment: the library's way
+        (HsxClient's and ExtractConfig's defaults do not read HSX_*; the command line does)."""
+        return _Given(server=server, **values)
+
+
+class _Given(ClientSettings):
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, **sources):  # type: ignore[override]
+        return (init_settings,)
 
 
 DEFAULTS = ClientSettings.model_construct()  # the defaults alone, without the environment

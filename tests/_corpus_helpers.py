@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from hsx.wire import Decoded
-from hsx_client import store
+from hsx_client.corpus import store
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 LAYER_IDS = [1, 2, 3, 5]  # stories260K-like: N = 5 layers

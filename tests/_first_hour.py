@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 
 from hsx import wire
-from hsx_client import extract as ex
-from test_extract_unit import FakeFormat, FakeServer, hooks
+from hsx_client.corpus import extract as ex
+from _extract_fakes import FakeFormat, FakeServer, hooks
 
 L, H = 4, 8
 
@@ -66,7 +66,7 @@ class EagleFormat(FakeFormat):
     name = "speculators"
 
     def layer_problem(self, layers, num_hidden_layers, served):
-        from hsx_client.formats.common import eagle3_layer_problem
+        from hsx_client.corpus.formats.common import eagle3_layer_problem
 
         return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
 

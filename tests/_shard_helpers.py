@@ -14,8 +14,9 @@ import httpx
 import numpy as np
 
 from hsx import wire
-from hsx_client import extract as ex
-from hsx_client.plan import ShardSpec
+from hsx_client.corpus import extract as ex
+from hsx_client.corpus.plan import ShardSpec
+from hsx_client.settings import ClientSettings
 
 HIDDEN, VOCAB = 16, 64
 HSX = [sys.executable, "-m", "hsx_tools.cli"]
@@ -81,7 +82,7 @@ def write_inputs(path: Path, n: int) -> Path:
 def extract(out: Path, inputs: Path, *, shard: tuple[int, int] | None = None, server: FakeHsx | None = None,
             fmt: str = "speculators", **settings) -> ex.ExtractResult:
     cfg = ex.ExtractConfig(
-        servers=["http://fake"], output=out, inputs=[str(inputs)], format=fmt, quiet=True, max_attempts=2,
+        client=ClientSettings.given(["http://fake"], max_attempts=2), output=out, inputs=[str(inputs)], format=fmt, quiet=True,
         shard=ShardSpec(*shard) if shard else None, **settings,
     )
     server = server or FakeHsx()

@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve":
         from hsx_service.cli import main as run
     elif command == "extract":
-        from hsx_client.cli import extract_main as run
+        from hsx_client.corpus.cli import extract_main as run
     elif command == "verify":
-        from hsx_client.cli import verify_main as run
+        from hsx_client.corpus.cli import verify_main as run
     elif command == "merge":
-        from hsx_client.merge import main as run
+        from hsx_client.corpus.cli import merge_main as run
     elif command == "demo":
         from hsx_tools.demo import main as run
     elif command == "bench":

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
         except ServerStartError as exc:
             raise SystemExit(f"{exc}\nlog: {log}") from None
         print(f"[demo] server ready in {time.monotonic() - t0:.0f}s at {server.url}", flush=True)
-        from hsx_client.cli import extract_main, verify_main
+        from hsx_client.corpus.cli import extract_main, verify_main
 
         out = work / f"corpus-{a.format}"
         rc = extract_main(["--server", server.url, "--input", str(inputs), "--output", str(out), "--format",

@@ -6,7 +6,7 @@ import os
 if os.environ.get("HSX_KILL_AT_COMPACTION_JOURNAL") == "1":
     import signal
 
-    from hsx_client import store
+    from hsx_client.corpus import store
 
     _write = store.write_file_atomic
 

@@ -1,7 +1,7 @@
 """Online vs offline speculators training on one GPU (run by hand on the lent H200).
 
 One `hsx serve` takes part of the GPU (`--gpu-memory-utilization`); speculators' trainer
-(EAGLE-3 draft, `python -m hsx_client.speculators_train`) takes the rest. The same
+(EAGLE-3 draft, `python -m hsx_client.training.speculators_train`) takes the rest. The same
 training runs three ways on the same rows, one after the other:
   online   `--states none` token table + `--hidden-states-backend hsx` (states fetched from
            the server while training; same-host leases)
@@ -75,10 +75,10 @@ class TimedLoader:
 
 
 def timed_train(out: str, argv: list[str]) -> int:
-    from hsx_client import speculators_backend  # noqa: F401 - registered before speculators' config
+    from hsx_client.training import speculators_backend  # noqa: F401 - registered before speculators' config
 
     import speculators.train.trainer as tr
-    from hsx_client import speculators_train
+    from hsx_client.training import speculators_train
 
     loaders: list[TimedLoader] = []
     init = tr.Trainer.__init__

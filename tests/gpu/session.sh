@@ -44,7 +44,7 @@ prepare)
     # (client/transport.py) and the server's tokenizer processes (service/tokenize_pool.py).
     python3 -m pip download -q --no-deps --only-binary=:all: -d .gpufix/wheels "httpx-aiohttp>=0.2" "pebble>=5.0" \
         "loguru>=0.7.2,<=0.7.3"  # compressed-tensors (hsx quantize-tiny-model, vLLM's quantization configs) imports it
-    # ... and the corpus checksums' xxhash (client/store.py), a binary wheel for the image's Python.
+    # ... and the corpus checksums' xxhash (client/corpus/store.py), a binary wheel for the image's Python.
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .gpufix/wheels "xxhash>=3.0"

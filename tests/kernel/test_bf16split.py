@@ -20,7 +20,7 @@ import zstandard
 from _server import STORIES
 from hsx import bf16split
 from hsx.wire import TensorSpec, decode, encode_header
-from hsx_client.api import _finish_body
+from hsx_client.responses import finish_body as _finish_body
 from hsx_service.body.compress import CompressPool, _in_order, stream_bf16split
 from hsx_service.body.negotiate import choose_coding
 from hsx_service.body.response import Body, Stats, stream_zstd

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from hsx_client.cli import build_extract_parser
-from hsx_client.merge import build_parser as build_merge_parser
-from hsx_client.plan import ShardSpec
+from hsx_client.corpus.cli import build_extract_parser
+from hsx_client.corpus.cli import build_merge_parser
+from hsx_client.corpus.plan import ShardSpec
 from hsx_client.settings import ClientSettings
-from hsx_client.shard import resolve
+from hsx_client.corpus.shard import resolve
 from test_deploy import (  # noqa: F401  (fixtures are used by name)
     DEPLOY,
     DOCS,
@@ -108,7 +108,7 @@ def merge_job():
 
 def client_env_names() -> set[str]:
     """HSX_* variables `hsx extract` reads: ClientSettings' fields and the shard count."""
-    assert "HSX_NUM_SHARDS" in (ROOT / "client" / "shard.py").read_text()
+    assert "HSX_NUM_SHARDS" in (ROOT / "client" / "corpus" / "shard.py").read_text()
     return {"HSX_" + name.upper() for name in ClientSettings.model_fields} | {"HSX_NUM_SHARDS"}
 
 

@@ -16,15 +16,15 @@ import httpx
 import numpy as np
 import pytest
 from _first_hour import H, L, EagleFormat, InfoServer, refused_and_untouched, run
-from test_extract_unit import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
+from _extract_fakes import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
 
 from _server import CHAT, REPO
 from hsx import wire
-from hsx_client import extract as ex
-from hsx_client import store
-from hsx_client.inputs import read_samples
-from hsx_client.progress import Progress
-from hsx_client.verify import verify_corpus
+from hsx_client.corpus import extract as ex
+from hsx_client.corpus import journal, store
+from hsx_client.corpus.inputs import read_samples
+from hsx_client.corpus.progress import Progress
+from hsx_client.corpus.verify import verify_corpus
 
 
 # ------------------------------------------------------------------ install names (issue 10.1, 10.9)
@@ -65,7 +65,7 @@ def readme_snippet() -> str:
 
 
 def test_readme_snippet_is_a_script_that_fails_within_seconds_against_a_dead_url(tmp_path):
-    from test_client_api import dead_url
+    from _client_fakes import dead_url
 
     code = readme_snippet()
     compile(code, "README.md", "exec")  # `async with` at top level was a SyntaxError
@@ -222,7 +222,7 @@ def test_bad_rows_are_listed_with_file_and_line_in_the_summary_and_in_dir(tmp_pa
     out = tmp_path / "out"
     r = run(cfg_for(data, out), FakeFormat(), InfoServer())
     assert r.exit_code == 0 and r.summary["bad_rows"] == 1
-    rows, _, _ = store.read_jsonl(out / store.BAD_ROWS_NAME)
+    rows, _, _ = journal.read_jsonl(out / store.BAD_ROWS_NAME)
     assert rows == [{"source": f"{data}:{N + 1}", "kind": "malformed", "reason": "no input_ids"}]
     text = ex.format_summary(r.summary)
     assert f"bad input rows: 1 skipped (1 malformed); listed in {out / store.BAD_ROWS_NAME}" in text
@@ -234,7 +234,7 @@ def test_mt_bench_questions_alone_say_why_no_row_is_usable(tmp_path):
     q = CHAT / "mt_bench" / "question.jsonl"
     if not q.exists():
         pytest.skip("needs ../shared/fixtures")
-    from hsx_client import cli
+    from hsx_client.corpus import cli
 
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "hsx_tools.cli", "extract", "--server", "http://127.0.0.1:9", "--input",
@@ -266,7 +266,7 @@ def test_empty_input_says_no_usable_rows(tmp_path):
 
 
 def test_exit_codes_are_documented_in_help():
-    from hsx_client.cli import build_extract_parser
+    from hsx_client.corpus.cli import build_extract_parser
 
     text = build_extract_parser().format_help()
     for code in ("0 ", "1 ", "2 ", "130"):
@@ -293,7 +293,7 @@ def test_progress_counts_this_runs_work_and_never_shows_100_percent_with_nothing
 def test_quiet_silences_datasets_progress_bars(tmp_path, capfd):
     import datasets
 
-    from hsx_client.extract import _silence_progress_bars
+    from hsx_client.corpus.extract import _silence_progress_bars
 
     try:
         _silence_progress_bars()

@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 from _first_hour import InfoServer, run
-from test_extract_unit import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
+from _extract_fakes import N, FakeFormat, cfg_for, data, hooks  # noqa: F401  (data: a fixture)
 
-from hsx_client import extract as ex
-from hsx_client import store
-from hsx_client.inputs import read_samples
-from hsx_client.verify import verify_corpus
+from hsx_client.corpus import extract as ex
+from hsx_client.corpus import store
+from hsx_client.corpus.inputs import read_samples
+from hsx_client.corpus.verify import verify_corpus
 
 
 # ------------------------------------------------------------------ one-line refusals (11.6)
@@ -39,7 +39,7 @@ def one_line(r: subprocess.CompletedProcess, code: int, words: str) -> None:
 
 
 def test_missing_input_is_one_line(tmp_path, data):
-    from hsx_client import cli
+    from hsx_client.corpus import cli
 
     # In-process with a fake server (the CLI's path), so the input is reached.
     out = tmp_path / "out"
@@ -160,7 +160,7 @@ def test_leftovers_of_a_killed_finalize_are_cleaned_on_the_next_start(tmp_path, 
 # ------------------------------------------------------------------ fail fast (10.6)
 @pytest.mark.slow  # > 2 s without an engine
 def test_a_wrong_port_fails_within_seconds_with_one_line(tmp_path, data):
-    from test_client_api import dead_url
+    from _client_fakes import dead_url
 
     url = dead_url()
     t0 = time.monotonic()

@@ -30,7 +30,7 @@ class _Remote:
 
 def main(argv: list[str]) -> int:
     from hsx_tools.bench.mode_c import _measure_extract
-    from hsx_client.allocator import keep_large_blocks
+    from hsx_client.malloc_tuning import keep_large_blocks
 
     keep_large_blocks()  # as `hsx extract` does: this process stands in for it
 

@@ -153,8 +153,9 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
                      out_dir: Path, prompts: list[list[int]], transfer: str, timeout: float) -> dict[str, Any]:
     """One timed `hsx extract` run loop (speculators corpus) against the running server:
     from the first request to the last sample recorded (RunHooks), finalize apart."""
-    from hsx_client.extract import ExtractConfig, run_extract
-    from hsx_client.run import RunHooks
+    from hsx_client.corpus.extract import ExtractConfig, run_extract
+    from hsx_client.corpus.run import RunHooks
+    from hsx_client.settings import ClientSettings
 
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
@@ -190,9 +191,9 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
         timings["life_s"] = run.life_s
 
     cfg = ExtractConfig(
-        servers=[server.url], output=out_dir, inputs=[str(inputs)], format="speculators",
-        concurrency_per_server=args.concurrency, quiet=True, timeout=max(600.0, timeout),
-        compression=compression, transfer=transfer, workers=workers,
+        client=ClientSettings.given([server.url], concurrency_per_server=args.concurrency,
+                                   timeout=max(600.0, timeout), compression=compression, transfer=transfer),
+        output=out_dir, inputs=[str(inputs)], format="speculators", quiet=True, workers=workers,
     )
     log(f"(c) measuring {total} prompts x {ctx['prompt_len']} tokens, concurrency {args.concurrency}, "
         f"transfer {transfer}, coding {compression} -> {out_dir}")

@@ -129,7 +129,7 @@ def _child(args: argparse.Namespace) -> int:
     payload = json.dumps({"input_ids": [1 + i % 200 for i in range(args.prompt_len)]}).encode()
     kept = False
     if not args.fresh_blocks:  # every client in the allocator `hsx extract` runs with (client/allocator.py)
-        from hsx_client.allocator import keep_large_blocks
+        from hsx_client.malloc_tuning import keep_large_blocks
 
         kept = keep_large_blocks()
     row = asyncio.run(_run_client(args.client, args.url, args.requests, int(args.concurrency), payload,

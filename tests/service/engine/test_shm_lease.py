@@ -25,10 +25,12 @@ import torch
 from _server import Servers, ServerProcess, eventually, wait_until
 from conftest import need_vllm
 from hsx import wire
-from hsx_client import formats, shm
+from hsx_client.corpus import formats
+from hsx_client import shm
 from hsx_client.api import HsxClient
 from hsx_client.errors import LeaseExpiredError
-from hsx_client.verify import verify_corpus
+from hsx_client.settings import ClientSettings
+from hsx_client.corpus.verify import verify_corpus
 from hsx_service.engine.arena import ALIGN, Allocator, SharedArena
 from hsx_service.engine.lease import ArenaSocket, Leases, boot_id
 
@@ -293,14 +295,15 @@ async def test_expired_lease_answers_410_and_its_range_comes_back(leasing):
 
 def _extract_with(server, fmt, prompts: list[list[int]], tmp_path: Path):
     """`hsx extract`'s run loop, in input order into tmp_path/corpus, with `fmt` as the writer."""
-    from hsx_client import extract as hx
+    from hsx_client.corpus import extract as hx
 
     inputs = tmp_path / "in.jsonl"
     inputs.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
     hooks = hx.default_hooks()
     hooks.get_format = lambda name: fmt
-    cfg = hx.ExtractConfig(servers=[server.url], output=tmp_path / "corpus", inputs=[str(inputs)],
-                           format="speculators", api_key=KEY, concurrency_per_server=2, quiet=True, shuffle=False)
+    cfg = hx.ExtractConfig(client=ClientSettings.given([server.url], api_key=KEY, concurrency_per_server=2),
+                           output=tmp_path / "corpus", inputs=[str(inputs)], format="speculators", quiet=True,
+                           shuffle=False)
     return hx.run_extract(cfg, hooks)
 
 

@@ -1,0 +1,263 @@
+"""What both corpus formats share: the context, the sample output and record, and checks."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from hsx import dtypes
+from hsx_client.corpus import store
+from hsx_client.postnorm import FinalNorm
+
+if TYPE_CHECKING:
+    from hsx.wire import Decoded
+    from hsx_client.api import HsxClient
+
+FORMAT_FILE = "hsx_format.json"
+COMPACTION_JOURNAL = store.COMPACTION_JOURNAL
+
+
+@dataclass
+class CorpusContext:
+    """Facts from the server's /info (and the run) that every sample shares."""
+
+    layer_ids: list[int]
+    hidden_size: int
+    dtype: str
+    final_norm: FinalNorm | None  # required by specforge
+    draft_vocab_size: int | None
+    vocab_size: int | None  # None: not reported (then no draft vocab mapping can be built)
+    mask_policy: str | None = None  # recorded in hsx_format.json ("per_turn" | "all_turns")
+
+
+@dataclass
+class SampleOutput:
+    """Complete files of one sample (relative path -> bytes, or a list of buffers that
+    make the file in order) and its manifest record."""
+
+    files: dict[str, Any]
+    record: dict = field(default_factory=dict)
+
+
+class CorpusFormat(Protocol):
+    """What a corpus writer is to the run, merge and verify: every member declared, none
+    optional (FormatDefaults has the plain behaviour of those a format may leave alone)."""
+
+    name: str
+    needs_final_norm: bool  # its states are post-norm: /final_norm must be readable (checked before any sample)
+
+    def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
+        """Why these layers cannot make this corpus, with what to do; None when they can."""
+
+    def prepare(self) -> None:
+        """What finalize needs, imported before the run (a missing package fails there)."""
+
+    async def fetch(self, client: HsxClient, body: dict[str, Any]) -> Any:
+        """One sample's response from the servers (a format may ask for less than states)."""
+
+    def drop_reason(self, mask: np.ndarray) -> str | None:
+        """Why a sample with a supervised token still leaves its trainer nothing to learn
+        (it is then dropped like an all-masked one); see `drop_reason`."""
+
+    def encode_sample(self, index: int, decoded: Decoded, ctx: CorpusContext) -> SampleOutput: ...
+
+    def finalize(self, out_dir: Path, records: list[tuple[int, dict]], ctx: CorpusContext) -> list[str]: ...
+
+    def bytes_per_token(self, ctx: CorpusContext) -> float: ...
+
+    def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]: ...
+
+
+class FormatDefaults:
+    """The plain behaviour of CorpusFormat's members a format may leave alone: post-norm
+    states wanted when the server has them, any layers, nothing to import, the states
+    fetched as they are, no drop rule of its own."""
+
+    needs_final_norm = True
+
+    def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
+        return None
+
+    def prepare(self) -> None:
+        return None
+
+    async def fetch(self, client: HsxClient, body: dict[str, Any]) -> Any:
+        return await client.hidden_states_response(body, lease_ok=True)
+
+    def drop_reason(self, mask: np.ndarray) -> str | None:
+        return None
+
+
+class Eagle3Format(FormatDefaults):
+    """A corpus of EAGLE-3 draft training: 3 auxiliary layers plus the last (`eagle3_layer_problem`)."""
+
+    def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
+        return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
+
+
+def drop_reason(fmt: CorpusFormat, mask: np.ndarray | None) -> str | None:
+    """Why a response gives the trainer nothing to learn (the sample is dropped, counted as
+    such, never stored), or None. No mask: every token is supervised."""
+    if mask is None:
+        return None
+    if not mask.any():
+        return "no supervised token: the loss mask is all zero"
+    return fmt.drop_reason(mask)
+
+
+class CorpusFormatError(ValueError):
+    """A response or a corpus that does not fit the format."""
+
+
+def mask_to_runs(mask: np.ndarray) -> list[int]:
+    """0/1 mask -> alternating run lengths, starting with the (maybe empty) run of 0s."""
+    m = np.asarray(mask).reshape(-1).astype(bool)
+    if m.size == 0:
+        return []
+    edges = np.flatnonzero(m[1:] != m[:-1]) + 1
+    bounds = np.concatenate([[0], edges, [m.size]])
+    runs = np.diff(bounds).tolist()
+    return ([0] + runs) if m[0] else runs
+
+
+def runs_to_mask(runs: list[int]) -> np.ndarray:
+    """Inverse of `mask_to_runs` (int64 0/1)."""
+    vals = np.arange(len(runs)) % 2
+    return np.repeat(vals, runs).astype(np.int64)
+
+
+def ids_crc(ids: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(ids, dtype="<i8").tobytes())
+
+
+def eagle3_layer_problem(name: str, layers: list[int], num_hidden_layers: int | None,
+                         served: list[int]) -> str | None:
+    """Why `layers` cannot make an EAGLE-3 corpus (3 auxiliary ids below N, plus N, the last
+    layer), with what to do; None when they can. Checked before any sample is sent (issue
+    10: a first run sent every sample and failed each one)."""
+    from hsx.layers import default_layers
+
+    n = num_hidden_layers
+    if n is None:
+        return None if len(layers) == 4 else f"{name} corpora (EAGLE-3) need 4 layers (3 aux + the last), got {layers}"
+    layers = sorted(layers)
+    if len(layers) == 4 and layers[-1] == n and layers[2] < n:
+        return None
+    head = f"{name} corpora (EAGLE-3) need 4 layers, 3 auxiliary ids below {n} plus {n} (the last); the run has {layers}"
+    if n < 3:
+        return f"{head}, and this model has only {n} decoder layer(s): too few for an EAGLE-3 draft"
+    aux = [k for k in served if k < n]
+    if n in served and len(aux) >= 3:
+        best = default_layers(n)
+        pick = best if set(best) <= set(served) else [*aux[:3], n]
+        return f"{head}: pass --layers {','.join(map(str, pick))} (the server serves {served})"
+    return (f"{head}: the server serves {served}; restart hsx serve with --layers "
+            f"{','.join(map(str, default_layers(n)))} (its default since hsx 0.1)")
+
+
+def state_bytes_per_token(ctx: CorpusContext) -> int:
+    return len(ctx.layer_ids) * ctx.hidden_size * dtypes.by_name(ctx.dtype).itemsize
+
+
+def check_decoded(decoded: Decoded, ctx: CorpusContext) -> tuple[torch.Tensor, np.ndarray, np.ndarray, str]:
+    hs = decoded.hidden_states
+    if not isinstance(hs, torch.Tensor) or hs.ndim != 3:
+        raise CorpusFormatError(f"hidden_states must be a [T, L, H] tensor, got {getattr(hs, 'shape', type(hs))}")
+    t, n_layers, h = hs.shape
+    if n_layers != 4 or len(ctx.layer_ids) != 4:
+        raise CorpusFormatError(
+            f"EAGLE-3 corpora need 4 layers (3 aux + last), got {n_layers} states for layer ids {ctx.layer_ids}"
+        )
+    if h != ctx.hidden_size:
+        raise CorpusFormatError(f"hidden size {h} differs from the server's {ctx.hidden_size}")
+    if ctx.dtype in dtypes.STATE_DTYPES and hs.dtype != dtypes.torch_dtype(ctx.dtype):
+        raise CorpusFormatError(f"states are {hs.dtype}, the server said {ctx.dtype}")
+    if "layer_ids" in decoded.metadata and decoded.layer_ids != list(ctx.layer_ids):
+        raise CorpusFormatError(f"response layers {decoded.layer_ids} differ from the run's {ctx.layer_ids}")
+    if t == 0:
+        raise CorpusFormatError("response has no tokens")
+    ids, mask, source = check_tokens(decoded, ctx, t)
+    return hs, ids, mask, source
+
+
+def check_tokens(decoded: Decoded, ctx: CorpusContext, t: int | None = None) -> tuple[np.ndarray, np.ndarray, str]:
+    """A response's token ids (in the target vocab) and 0/1 loss mask (all ones when none
+    came back), with its source; `t`: the number of states they must match."""
+    ids = np.asarray(decoded.token_ids).astype(np.int64, copy=False).reshape(-1)
+    t = ids.shape[0] if t is None else t
+    if t == 0:
+        raise CorpusFormatError("response has no tokens")
+    if ids.shape[0] != t:
+        raise CorpusFormatError(f"{ids.shape[0]} token ids for {t} states")
+    if ctx.vocab_size is None:
+        if ctx.draft_vocab_size:
+            raise CorpusFormatError("a draft vocab mapping needs the target vocab size, which the server did not report")
+        if (ids < 0).any():
+            raise CorpusFormatError("negative token ids")
+    elif (ids < 0).any() or (ids >= ctx.vocab_size).any():
+        raise CorpusFormatError(f"token ids outside the target vocab of {ctx.vocab_size}")
+    if decoded.loss_mask is None:
+        mask, source = np.ones(t, dtype=np.int64), "none"
+    else:
+        mask = np.asarray(decoded.loss_mask).reshape(-1).astype(np.int64)
+        if mask.shape[0] != t or ((mask != 0) & (mask != 1)).any():
+            raise CorpusFormatError("loss_mask must be 0/1 with one entry per token")
+        source = "server"
+    return ids, mask, source
+
+
+def make_record(ids: np.ndarray, mask: np.ndarray, source: str, ctx: CorpusContext) -> dict:
+    return {
+        "num_tokens": int(ids.shape[0]),
+        "num_supervised": int(mask.sum()),
+        "mask_runs": mask_to_runs(mask),
+        "ids_crc32": ids_crc(ids),
+        "hidden_size": int(ctx.hidden_size),
+        "num_layers": len(ctx.layer_ids),
+        "dtype": ctx.dtype,
+        "mask_source": source,
+    }
+
+
+def record_problems(record: dict, ids: np.ndarray) -> list[str]:
+    out = []
+    if ids.shape[0] != record.get("num_tokens"):
+        out.append(f"{ids.shape[0]} tokens in the file, the record says {record.get('num_tokens')}")
+    elif ids_crc(ids) != record.get("ids_crc32"):
+        out.append("token ids differ from the record (crc32 mismatch)")
+    runs = record.get("mask_runs", [])
+    if sum(runs) != record.get("num_tokens"):
+        out.append(f"record's loss mask covers {sum(runs)} tokens, not {record.get('num_tokens')}")
+    return out
+
+
+def format_json(name: str, ctx: CorpusContext, **extra: object) -> bytes:
+    doc = {
+        "format": name,
+        "mask_policy": ctx.mask_policy,
+        "layer_ids": list(ctx.layer_ids),
+        "hidden_size": ctx.hidden_size,
+        "dtype": ctx.dtype,
+        "vocab_size": ctx.vocab_size,
+        "draft_vocab_size": ctx.draft_vocab_size,
+        **extra,
+    }
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def sorted_records(records: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
+    recs = sorted(records, key=lambda r: r[0])
+    idx = [i for i, _ in recs]
+    if len(set(idx)) != len(idx):
+        raise CorpusFormatError("finalize got the same sample index twice")
+    if idx and idx[0] < 0:
+        raise CorpusFormatError(f"negative sample index {idx[0]}")
+    if not recs:
+        raise CorpusFormatError("finalize got no samples: nothing to write")
+    return recs

@@ -1,0 +1,134 @@
+"""SpecForge 0.2 offline: one torch.save'd `.ckpt` per sample in a sharded tree."""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hsx import dtypes
+from hsx_client.corpus import store
+from hsx_client.corpus.formats.common import (
+    FORMAT_FILE, CorpusContext, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded,
+    format_json, make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
+)
+from hsx_client.postnorm import apply_final_norm
+from hsx_client.corpus.vocab import count_supervised, specforge_vocab_files
+
+if TYPE_CHECKING:
+    from hsx.wire import Decoded
+
+class SpecForgeFormat(Eagle3Format):
+    """SpecForge 0.2 offline: one torch.save'd `.ckpt` per sample in a sharded tree.
+
+    SpecForge lists every `*.ckpt` under the directory and has no positional index, so
+    failed samples simply leave no file. `finalize` renames any `*.ckpt` under rows/ that
+    no record accounts for (a file completed but never recorded before a crash) to
+    `*.ckpt.orphan`, so the trainer cannot read unaccounted data, then writes
+    vocab_mapping/vocab_mapping.pt and hsx_format.json (each tmp + fsync + rename).
+    """
+
+    name = "specforge"
+    needs_final_norm = True  # hidden_state is the last layer after the final norm
+
+    @staticmethod
+    def drop_reason(mask: np.ndarray) -> str | None:
+        """SpecForge's offline normalizer (specforge.algorithms.eagle3.data) sets the last
+        token's mask to 0 (its target lies past the sample): a sample supervised only there
+        trains nothing."""
+        if not mask[:-1].any():
+            return "no supervised token but the last, which SpecForge's loader unmasks"
+        return None
+
+    @staticmethod
+    def ckpt_path(index: int) -> str:
+        return f"rows/{int(index) // 1000:04d}/data_{int(index)}.ckpt"
+
+    def bytes_per_token(self, ctx: CorpusContext) -> float:
+        # aux (3 layers) + last states, input_ids + loss_mask (int64)
+        return state_bytes_per_token(ctx) + 16
+
+    def encode_sample(self, index: int, decoded: Decoded, ctx: CorpusContext) -> SampleOutput:
+        if ctx.final_norm is None:
+            raise CorpusFormatError("the specforge format needs the final norm (weights, eps) from the server")
+        hs, ids, mask, source = check_decoded(decoded, ctx)
+        t, _, h = hs.shape
+        # torch.cat / fresh tensors: torch.save must not drag a shared storage along.
+        aux = torch.cat([hs[:, 0], hs[:, 1], hs[:, 2]], dim=-1).unsqueeze(0)
+        last = apply_final_norm(hs[:, 3], ctx.final_norm).contiguous().unsqueeze(0)
+        obj = {
+            "input_ids": torch.from_numpy(ids.copy()),
+            "loss_mask": torch.from_numpy(mask.copy()),
+            "aux_hidden_state": aux,
+            "hidden_state": last,
+        }
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return SampleOutput({self.ckpt_path(index): buf.getvalue()}, make_record(ids, mask, source, ctx))
+
+    def _load(self, path: Path) -> dict:
+        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+
+    def finalize(self, out_dir: Path, records: list[tuple[int, dict]], ctx: CorpusContext) -> list[str]:
+        """Quarantine unrecorded ckpt files, write the vocab mapping and hsx_format.json."""
+        out_dir = Path(out_dir)
+        recs = sorted_records(records)
+        expected = {self.ckpt_path(i) for i, _ in recs}
+        orphans = 0
+        rows_dir = out_dir / "rows"
+        if rows_dir.exists():
+            for p in sorted(rows_dir.rglob("*")):
+                if p.is_file() and p.name.endswith((".ckpt", ".ckpt.gz")):
+                    if p.relative_to(out_dir).as_posix() not in expected:
+                        os.replace(p, p.with_name(p.name + ".orphan"))
+                        orphans += 1
+        freq: Counter = Counter()
+        for i, rec in recs:
+            raw = self._load(out_dir / self.ckpt_path(i))
+            ids = raw["input_ids"].numpy()
+            probs = record_problems(rec, ids)
+            if probs:
+                raise CorpusFormatError(f"{self.ckpt_path(i)}: " + "; ".join(probs))
+            count_supervised(freq, ids, runs_to_mask(rec["mask_runs"]))
+        files = specforge_vocab_files(freq, ctx.draft_vocab_size, ctx.vocab_size)
+        files[FORMAT_FILE] = format_json(
+            self.name, ctx, num_samples=len(recs), num_tokens=sum(r["num_tokens"] for _, r in recs),
+            num_supervised=sum(r["num_supervised"] for _, r in recs), orphans_quarantined=orphans,
+            hidden_state="final norm applied (" + (ctx.final_norm.style if ctx.final_norm else "?") + ")",
+        )
+        for rel, data in files.items():
+            store.write_file_atomic(out_dir / rel, data)
+        return list(files)
+
+    def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]:
+        path = Path(out_dir) / self.ckpt_path(index)
+        if not path.exists():
+            return [f"{self.ckpt_path(index)} is missing"]
+        try:
+            raw = self._load(path)
+        except Exception as exc:
+            return [f"{path.name} is unreadable: {type(exc).__name__}: {exc}"]
+        need = {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
+        if not isinstance(raw, dict) or not need <= set(raw):
+            return [f"{path.name} lacks {sorted(need - set(raw if isinstance(raw, dict) else {}))}"]
+        t, h = record.get("num_tokens"), record.get("hidden_size")
+        n_aux = record.get("num_layers", 4) - 1
+        want_dt = dtypes.torch_dtype(record["dtype"]) if record.get("dtype") in dtypes.STATE_DTYPES else None
+        probs = []
+        for key, shape, dt in (("input_ids", [t], torch.int64), ("loss_mask", [t], torch.int64),
+                               ("aux_hidden_state", [1, t, n_aux * h], want_dt),
+                               ("hidden_state", [1, t, h], want_dt)):
+            v = raw[key]
+            if list(v.shape) != shape:
+                probs.append(f"{key} shape {list(v.shape)}, expected {shape}")
+            if dt is not None and v.dtype != dt:
+                probs.append(f"{key} dtype {v.dtype}, expected {dt}")
+        probs += record_problems(record, raw["input_ids"].numpy())
+        if not probs and not np.array_equal(raw["loss_mask"].numpy(), runs_to_mask(record["mask_runs"])):
+            probs.append("loss_mask differs from the record")
+        return probs

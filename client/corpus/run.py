@@ -1,0 +1,431 @@
+"""The fan-out loop of `hsx extract`: each planned sample is fetched, stored, recorded.
+
+    fetch   `POST /hidden_states` through HsxClient (least-loaded server, retries); a
+            permanent failure is logged to failed.jsonl and the sample skipped;
+    store   in a pool thread: decode, `fmt.encode_sample`, files written atomically
+            (store.write_files_atomic);
+    record  its manifest line appended (fsync'ed): only then does the sample count. For
+            states read from a same-host server's shared memory (a lease), the lease is
+            released first: a 204 proves the bytes were still ours while we wrote them; a
+            410 means they may have been overwritten and the sample is asked again.
+
+Failures of one sample: 400/422/413 (and other 4xx) and a format that cannot encode the
+response are permanent (`bad_request`, `too_large`, `encode`). A sample with no supervised
+token after truncation is *dropped*, not failed (kind `dropped`): every request carries
+`require_supervised`, so the server refuses it (422 no_supervised_tokens) before the
+prefill; a response whose mask is all zero anyway is dropped here too. A sample on which every
+attempt got a 5xx is `server_error` and retried by the next run, as is one whose lease
+kept expiring (`lease_expired`). If the servers are unreachable beyond the retries,
+authentication fails, many samples in a row fail with 5xx, or storing fails (disk full),
+the loop stops with a resumable state (`RunState.fatal`).
+
+Stopping (Ctrl-C, `request_stop`): no new sample starts, requests in flight are
+cancelled (those samples are simply not done), stores already running finish.
+
+`RunHooks` are the loop's small callbacks (the benchmark times the fan-out with them).
+The state the workers share is one `RunState`. With `--workers N` (hsx_client.corpus.workers)
+each worker process runs this loop open-ended (samples arrive through `add`), its
+manifest and failed log stand-ins sending the lines to the parent, the one writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hsx.host import usable_cores
+from hsx_client.corpus import journal, store
+from hsx_client.api import HsxClient, Lease, RawResponse
+from hsx_client.errors import (
+    AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError, ServersUnreachableError,
+)
+from hsx_client.corpus.plan import DROPPED
+from hsx_client.corpus.progress import Progress
+from hsx_client.corpus.settings import CorpusSettings
+
+log = logging.getLogger("hsx.extract")
+
+LEASE_REDOS = 3  # a sample whose lease expired this often before its store ended fails
+EXIT_INTERRUPTED = 130
+
+
+class SampleEncodeError(Exception):
+    """The format refused a response (recorded as a permanent failure)."""
+
+
+class SampleDropped(Exception):
+    """The response has nothing to train on (recorded as dropped, not failed)."""
+
+
+NO_SUPERVISED = "no_supervised_tokens"  # the server's error type for require_supervised
+
+
+@dataclass
+class RunHooks:
+    """Callbacks on the loop's events, run on the event loop (keep them quick)."""
+
+    on_start: Callable[["RunState"], None] | None = None  # the workers are about to send (processes: all ready)
+    on_stored: Callable[["RunState", int, dict], None] | None = None  # a manifest line is on disk
+    on_failed: Callable[["RunState", int, dict], None] | None = None  # a failed.jsonl line is on disk
+    on_end: Callable[["RunState"], None] | None = None  # every worker has returned
+
+
+@dataclass
+class RunState:
+    """What the workers share: the corpus side, the books, the queue and the stop flags."""
+
+    client: HsxClient
+    fmt: Any
+    ctx: Any
+    out: Path
+    settings: CorpusSettings
+    served_layers: list[int]
+    keys: list[str]
+    by_key: dict[str, Any]
+    manifest: journal.JsonlLog
+    failed_log: journal.JsonlLog
+    done: dict[int, dict[str, Any]]
+    failed: dict[int, dict[str, Any]]
+    progress: Progress
+    queue: deque[int] = field(default_factory=deque)
+    stopping: bool = False
+    stop_reason: str | None = None
+    fatal: BaseException | None = None
+    consecutive_5xx: int = 0
+    lease_redos: dict[int, int] = field(default_factory=dict)
+    store_s: float = 0.0  # summed over samples: decode, encode, write, fsync (bench's profile)
+    life_s: float = 0.0  # summed over answered samples: taken off the queue -> stored (bench's profile)
+    worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # --workers: their clients' stats, summed
+
+    def request_body(self, index: int) -> dict[str, Any]:
+        sample = self.by_key[self.keys[index]]
+        body = dict(sample.request)
+        s = self.settings
+        if s.layers != self.served_layers:
+            body.setdefault("layers", s.layers)
+        if s.max_length:
+            body.setdefault("max_length", s.max_length)
+            body.setdefault("truncation", s.truncation)
+        body.setdefault("id", sample.key)
+        body.setdefault("require_supervised", True)  # refused before the prefill (dropped)
+        return body
+
+
+class _HeldLease:
+    """A lease this worker holds: `release()` is the one that counts (raises
+    LeaseExpiredError); `drop()` gives the range back quietly when the sample was not
+    stored. Either happens once."""
+
+    def __init__(self, client: HsxClient, lease: Lease | None) -> None:
+        self._client = client
+        self.lease = lease
+
+    async def release(self) -> None:
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await self._client.release_lease(lease)
+
+    async def drop(self) -> None:
+        try:
+            await self.release()
+        except HsxError:
+            pass
+
+
+def default_write_workers() -> int:
+    """Store threads of one loop: decode, hash and fsync release the GIL."""
+    return max(4, min(16, usable_cores() * 2))
+
+
+class StopSignals:
+    """SIGINT/SIGTERM on the event loop: the first calls `request_stop("interrupted")`
+    (stores in progress finish), the second exits at once (the state stays resumable)."""
+
+    def __init__(self, request_stop: Callable[[str], None]) -> None:
+        self._request_stop = request_stop
+        self._count = 0
+        self._installed: list[signal.Signals] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig.name)
+                self._installed.append(sig)
+            except (NotImplementedError, RuntimeError):
+                pass
+
+    def remove(self) -> None:
+        for sig in self._installed:
+            assert self._loop is not None
+            self._loop.remove_signal_handler(sig)
+        self._installed = []
+
+    def _on_signal(self, signame: str) -> None:
+        self._count += 1
+        if self._count > 1:
+            print(f"\nhsx extract: second {signame}, exiting now (state stays resumable)", file=sys.stderr)
+            os._exit(EXIT_INTERRUPTED)
+        print(
+            f"\nhsx extract: {signame}: finishing stores in progress, then exiting (again to exit at once)",
+            file=sys.stderr,
+        )
+        self._request_stop("interrupted")
+
+
+class RunLoop:
+    def __init__(self, state: RunState, *, concurrency: int, write_workers: int | None = None,
+                 handle_signals: bool = False, hooks: RunHooks | None = None, open_ended: bool = False) -> None:
+        self.state = state
+        self.concurrency = concurrency  # requests in flight over all servers
+        self.write_workers = write_workers or default_write_workers()
+        self.handle_signals = handle_signals
+        self.hooks = hooks or RunHooks()
+        self.breaker = max(10, 2 * concurrency)  # this many 5xx samples in a row stop the run
+        self._phase: dict[asyncio.Task[Any], str] = {}
+        self._signals = StopSignals(self.request_stop)
+        self._pool: ThreadPoolExecutor | None = None
+        # open_ended (a worker process, hsx_client.corpus.workers): samples keep arriving through
+        # `add` until `close_feed`; an empty queue then waits instead of ending the loop.
+        self._open = open_ended
+        self._more: asyncio.Event | None = None
+
+    # -------------------------------------------------------------- the feed (open-ended runs)
+    def add(self, indices: list[int]) -> None:
+        self.state.queue.extend(indices)
+        self._wake()
+
+    def close_feed(self) -> None:
+        self._open = False
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._more is not None:
+            self._more.set()
+
+    async def _wait_for_more(self) -> bool:
+        """True when the queue has a sample to take; False when the loop should end."""
+        st = self.state
+        while self._open and not st.queue and not st.stopping:
+            assert self._more is not None
+            self._more.clear()
+            await self._more.wait()
+        return bool(st.queue) and not st.stopping
+
+    # -------------------------------------------------------------- control
+    def request_stop(self, reason: str) -> None:
+        st = self.state
+        if not st.stopping:
+            st.stopping = True
+            st.stop_reason = reason
+        for task, phase in list(self._phase.items()):
+            if phase == "request":
+                task.cancel()
+        self._wake()
+
+    def _stop_on(self, exc: BaseException, reason: str) -> None:
+        self.state.fatal = exc
+        self.request_stop(reason)
+
+    # -------------------------------------------------------------- the loop
+    async def run(self, todo: list[int]) -> None:
+        st = self.state
+        if not todo and not self._open:
+            return
+        loop = asyncio.get_running_loop()
+        st.queue.extend(todo)
+        self._more = asyncio.Event()
+        self._pool = ThreadPoolExecutor(max_workers=self.write_workers, thread_name_prefix="hsx-store")
+        if self.handle_signals:
+            self._signals.install(loop)
+
+        async def ticker() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                st.progress.refresh()
+
+        tick = loop.create_task(ticker())
+        try:
+            if self.hooks.on_start is not None:
+                self.hooks.on_start(st)
+            # Enough workers to keep every request slot busy while others are storing.
+            slots = self.concurrency + self.write_workers
+            workers = [loop.create_task(self._worker()) for _ in range(slots if self._open else min(len(todo), slots))]
+            for w in workers:
+                self._phase[w] = "idle"
+            for r in await asyncio.gather(*workers, return_exceptions=True):
+                if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError) and st.fatal is None:
+                    st.fatal = r
+        finally:
+            tick.cancel()
+            self._signals.remove()
+            self._pool.shutdown(wait=True)
+            if self.hooks.on_end is not None:
+                self.hooks.on_end(st)
+
+    async def _worker(self) -> None:
+        st = self.state
+        task = asyncio.current_task()
+        assert task is not None
+        try:
+            while not st.stopping and (st.queue or await self._wait_for_more()):
+                index = st.queue.popleft()
+                t_taken = time.perf_counter()
+                self._phase[task] = "request"
+                try:
+                    raw = await self._fetch(index)
+                finally:
+                    self._phase[task] = "idle"
+                if raw is None:
+                    continue
+                self._phase[task] = "store"
+                try:
+                    await self._store_and_record(index, raw)
+                finally:
+                    self._phase[task] = "idle"
+                    st.life_s += time.perf_counter() - t_taken
+        finally:
+            self._phase.pop(task, None)
+
+    async def _fetch(self, index: int) -> RawResponse | None:
+        """The response, or None: the sample failed (logged) or the run stops."""
+        st = self.state
+        try:
+            body = st.request_body(index)
+            raw = await st.fmt.fetch(st.client, body)  # a format may ask for less than states (POST /tokenize)
+        except asyncio.CancelledError:
+            if st.stopping:
+                return None  # abandoned: not done, redone on resume
+            raise
+        except ServersUnreachableError as exc:
+            self._stop_on(exc, "servers unreachable")
+            return None
+        except RetriesExhaustedError as exc:
+            if isinstance(exc.last_error, ServerError):
+                st.consecutive_5xx += 1
+                self._fail(index, "server_error", exc.last_error)
+                if st.consecutive_5xx >= self.breaker:
+                    self._stop_on(exc, f"{st.consecutive_5xx} samples in a row failed with 5xx")
+                return None
+            self._stop_on(exc, "servers unreachable")
+            return None
+        except AuthenticationError as exc:
+            self._stop_on(exc, "authentication failed")
+            return None
+        except HsxError as exc:  # 400/422/413/other 4xx: the sample is bad
+            if exc.type == NO_SUPERVISED:
+                self._fail(index, DROPPED, exc)
+            else:
+                self._fail(index, {413: "too_large"}.get(exc.status or 0, "bad_request"), exc)
+            return None
+        st.consecutive_5xx = 0
+        return raw
+
+    async def _store_and_record(self, index: int, raw: RawResponse) -> None:
+        st = self.state
+        loop = asyncio.get_running_loop()
+        lease = _HeldLease(st.client, raw.lease)
+        try:
+            # Shielded: a stop must not leave a file half-written by a cancelled await.
+            t = time.perf_counter()
+            entry, written = await asyncio.shield(
+                loop.run_in_executor(self._pool, self._store, index, raw, raw.lease is None)
+            )
+            st.store_s += time.perf_counter() - t
+            if raw.lease is not None:
+                try:
+                    await lease.release()
+                except LeaseExpiredError as exc:
+                    self._lease_expired(index, exc)
+                    return
+                await loop.run_in_executor(self._pool, st.manifest.append, entry)
+        except SampleEncodeError as exc:
+            self._fail(index, "encode", exc)
+            return
+        except SampleDropped as exc:
+            self._fail(index, DROPPED, exc)
+            return
+        except asyncio.CancelledError:
+            raise  # the worker ends (a stop cancels requests, never stores: this came from outside)
+        except BaseException as exc:  # disk full, a bug: stop, resumable
+            self._stop_on(exc, f"storing failed: {exc}")
+            return
+        finally:
+            await lease.drop()  # not stored: give the range back now rather than at its expiry
+        st.done[index] = entry
+        st.progress.sample_done(tokens=entry["tokens"], wire_bytes=raw.wire_bytes, written_bytes=written)
+        if self.hooks.on_stored is not None:
+            self.hooks.on_stored(st, index, entry)
+
+    def _lease_expired(self, index: int, exc: LeaseExpiredError) -> None:
+        st = self.state
+        redos = st.lease_redos[index] = st.lease_redos.get(index, 0) + 1
+        if redos >= LEASE_REDOS:  # the store keeps outlasting the lease
+            exc.message += f" ({redos} times: raise the server's --lease-timeout, or use --transfer http)"
+            self._fail(index, "lease_expired", exc)
+            return
+        log.warning("sample %d: %s; requesting it again", index, exc)
+        st.queue.append(index)
+
+    def _store(self, index: int, raw: RawResponse, record: bool) -> tuple[dict[str, Any], int]:
+        """In a pool thread: decode, encode, write the files; with `record`, append the
+        manifest line too (saves a second hop to the pool)."""
+        st = self.state
+        try:
+            decoded = raw.decode()
+        except Exception as exc:
+            raise SampleEncodeError(f"{type(exc).__name__}: {exc}") from exc
+        from hsx_client.corpus.formats.common import drop_reason  # the formats import torch: not at this module's import
+
+        dropped = drop_reason(st.fmt, decoded.loss_mask)  # nothing to train on: all masked, or the format's rule
+        if dropped:
+            raise SampleDropped(dropped)
+        try:
+            out = st.fmt.encode_sample(index, decoded, st.ctx)
+        except Exception as exc:
+            raise SampleEncodeError(f"{type(exc).__name__}: {exc}") from exc
+        files = store.write_files_atomic(st.out, out.files)
+        tokens = int(len(decoded.token_ids))
+        entry = {
+            "key": st.keys[index],
+            "index": index,
+            "files": files,
+            "record": out.record,
+            "tokens": tokens,
+            "request_id": raw.request_id,
+        }
+        before = int(decoded.metadata.get("num_input_tokens") or 0)
+        if before > tokens:  # the server cut it (--max-length / --truncation)
+            entry["truncated_from"] = before
+        if record:
+            st.manifest.append(entry)
+        return entry, sum(f["size"] for f in files.values())
+
+    def _fail(self, index: int, kind: str, exc: BaseException) -> None:
+        st = self.state
+        entry: dict[str, Any] = {"index": index, "key": st.keys[index], "kind": kind, "time": time.time()}
+        if isinstance(exc, HsxError):
+            message = exc.message
+            if kind == "too_large":  # the server names its API fields; say the flags
+                message += " [hsx extract: --max-length N with --truncation right or left cuts such samples]"
+            entry.update(
+                status=exc.status, type=exc.type, message=message, request_id=exc.request_id, server=exc.server
+            )
+        else:
+            entry.update(message=f"{type(exc).__name__}: {exc}")
+        st.failed_log.append(entry)
+        st.failed[index] = entry
+        st.progress.sample_failed(dropped=kind == DROPPED)
+        if self.hooks.on_failed is not None:
+            self.hooks.on_failed(st, index, entry)
