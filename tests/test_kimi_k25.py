@@ -1,0 +1,70 @@
+"""Kimi-K2.5, the architecture hsx was made for: vLLM serves it as
+`KimiK25ForConditionalGeneration`, a DeepSeek-V3 text model (MLA + MoE) behind a MoonViT
+vision tower. A tiny random one (`make-tiny-model --family kimi_k25`, Moonshot's checkpoint
+layout) through a real `hsx serve` on vLLM's CPU backend, text-only: every layer id 1..N
+against transformers' Kimi-K2.5 text path, and its chat template through /tokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import random
+
+import httpx
+import pytest
+
+from _reference import check_responses
+from _server import ServerProcess
+from conftest import need_vllm
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+NUM_LAYERS = 4
+LAYERS = list(range(1, NUM_LAYERS + 1))  # id 0 is refused for this family (service/engine.py)
+FP32_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def kimi_model(tmp_path_factory):
+    from hsx.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-kimi-k25", "kimi_k25", num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def kimi_server(kimi_model, log_dir):
+    from hsx_service import vllm_compat
+
+    need_vllm()
+    if vllm_compat.is_cpu_backend() and importlib.util.find_spec("vllm.v1.attention.backends.mla.cpu_mla") is None:
+        pytest.skip("this vLLM has no MLA on its CPU backend")
+    if importlib.util.find_spec("vllm.model_executor.models.kimi_k25") is None:
+        pytest.skip("this vLLM has no Kimi-K2.5")
+    server = ServerProcess(str(kimi_model), "--dtype", "float32", "--max-model-len", "1024",
+                           "--layers", ",".join(map(str, LAYERS)), log_dir=log_dir, name="kimi-k25")
+    yield server.wait_ready()
+    server.stop()
+
+
+async def test_tiny_kimi_k25_text_path_every_layer_matches_transformers(kimi_server, kimi_model):
+    info = httpx.get(kimi_server.url + "/info").json()
+    assert info["architecture"] == "KimiK25ForConditionalGeneration" and info["layer_ids"] == LAYERS
+    assert info["num_hidden_layers"] == NUM_LAYERS and info["final_norm"]["tensor"] == "language_model.model.norm.weight"
+    rng = random.Random(3)
+    # ids below the media markers (<|media_begin|> ... at 600+): text-only prompts
+    prompts = [[1] + [rng.randrange(6, 600) for _ in range(rng.choice([3, 30, 150, 400]))] for _ in range(12)]
+    async with httpx.AsyncClient(timeout=300) as client:
+        rs = await asyncio.gather(*[client.post(kimi_server.url + "/hidden_states", json={"input_ids": p})
+                                    for p in prompts])
+    worst, worst_delta = check_responses(rs, prompts, kimi_model, LAYERS, FP32_TOL, FP32_TOL)
+    print(f"\ntiny Kimi-K2.5 (text path, MLA + MoE, fp32): 12 concurrent requests, worst relative error "
+          f"{worst:.2e}, of a layer's contribution {worst_delta:.2e}")
+
+
+def test_tiny_kimi_k25_chat_goes_through_its_tokenizer(kimi_server):
+    """hsx renders chats with the tokenizer's template (not the multimodal processor)."""
+    chat = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Paris."}]
+    r = httpx.post(kimi_server.url + "/tokenize", json={"messages": chat}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["loss_mask_source"] == "chat_template" and 0 < sum(body["loss_mask"]) < len(body["token_ids"])
