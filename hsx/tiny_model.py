@@ -6,7 +6,8 @@ bigger one: 16 layers x 2048 hidden), `qwen3_moe` (a mixture of experts),
 layer in four, MoE MLPs), `deepseek_v3` (the DeepSeek-V3 / Kimi-K2 architecture:
 MLA attention, sigmoid `noaux_tc` routing over routed + 1 shared expert, first layer dense)
 and `kimi_k25` (Kimi-K2.5: that DeepSeek-V3 text model behind a one-block MoonViT vision
-tower, in the multimodal checkpoint layout vLLM's `KimiK25ForConditionalGeneration` loads). The tokenizer is a byte-level BPE trained here on a short
+tower, in the multimodal checkpoint layout vLLM's `KimiK25ForConditionalGeneration` loads).
+The tokenizer is a byte-level BPE trained here on a short
 built-in text, with a ChatML-style chat template that marks assistant turns with
 `{% generation %}`, so every request kind works on it.
 """

@@ -17,7 +17,7 @@ from _reference import check_responses
 from _server import ServerProcess
 from conftest import need_vllm
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 NUM_LAYERS = 4
 LAYERS = list(range(1, NUM_LAYERS + 1))  # id 0 is refused for this family (service/engine.py)
@@ -46,10 +46,12 @@ def kimi_server(kimi_model, log_dir):
     server.stop()
 
 
+@pytest.mark.engine
 async def test_tiny_kimi_k25_text_path_every_layer_matches_transformers(kimi_server, kimi_model):
     info = httpx.get(kimi_server.url + "/info").json()
     assert info["architecture"] == "KimiK25ForConditionalGeneration" and info["layer_ids"] == LAYERS
-    assert info["num_hidden_layers"] == NUM_LAYERS and info["final_norm"]["tensor"] == "language_model.model.norm.weight"
+    assert info["num_hidden_layers"] == NUM_LAYERS
+    assert info["final_norm"]["tensor"] == "language_model.model.norm.weight"
     rng = random.Random(3)
     # ids below the media markers (<|media_begin|> ... at 600+): text-only prompts
     prompts = [[1] + [rng.randrange(6, 600) for _ in range(rng.choice([3, 30, 150, 400]))] for _ in range(12)]
@@ -61,6 +63,7 @@ async def test_tiny_kimi_k25_text_path_every_layer_matches_transformers(kimi_ser
           f"{worst:.2e}, of a layer's contribution {worst_delta:.2e}")
 
 
+@pytest.mark.engine
 def test_tiny_kimi_k25_chat_goes_through_its_tokenizer(kimi_server):
     """hsx renders chats with the tokenizer's template (not the multimodal processor)."""
     chat = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Paris."}]
@@ -68,3 +71,24 @@ def test_tiny_kimi_k25_chat_goes_through_its_tokenizer(kimi_server):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["loss_mask_source"] == "chat_template" and 0 < sum(body["loss_mask"]) < len(body["token_ids"])
+
+
+def test_tiny_kimi_k25_checkpoint_has_moonshots_names(tmp_path):
+    """transformers' save reverses its Kimi-K2.5 renames only in part (text layers come out as
+    `language_model.model.blocks.N`, which vLLM cannot load): the maker writes the names
+    Moonshot's checkpoints use, and transformers reads them back whole."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    from hsx.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "kimi", "kimi_k25", num_layers=2, hidden_size=64, num_heads=2)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    prefixes = {n.split(".")[0] for n in names}
+    assert prefixes == {"language_model", "vision_tower", "mm_projector"}, prefixes
+    assert "language_model.model.layers.1.mlp.gate.e_score_correction_bias" in names
+    assert {"vision_tower.patch_embed.proj.weight", "mm_projector.pre_norm.weight"} <= names
+    assert not [n for n in names if n.startswith("language_model.model.blocks.")]
+    _, loading = AutoModelForImageTextToText.from_pretrained(str(model_dir), output_loading_info=True)
+    assert not any(loading.values()), loading
