@@ -92,3 +92,18 @@ def test_tiny_kimi_k25_checkpoint_has_moonshots_names(tmp_path):
     assert not [n for n in names if n.startswith("language_model.model.blocks.")]
     _, loading = AutoModelForImageTextToText.from_pretrained(str(model_dir), output_loading_info=True)
     assert not any(loading.values()), loading
+
+
+def test_kimi_k25_layer_zero_refused_by_its_vllm_module():
+    """vLLM's Kimi-K2.5 runs its DeepSeek text model, which dies on id 0: hsx's refusal must
+    know the module vLLM's registry maps the architecture to (run: refused at start, ~20 s)."""
+    need_vllm()
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    from hsx_service.engine import StartupError, check_layer_zero
+
+    module, cls_name = _VLLM_MODELS["KimiK25ForConditionalGeneration"]
+    model_cls = type(cls_name, (), {"__module__": f"vllm.model_executor.models.{module}"})
+    with pytest.raises(StartupError, match="id 0 .* cannot be captured from KimiK25ForConditionalGeneration"):
+        check_layer_zero(model_cls, "KimiK25ForConditionalGeneration", [0, 4])
+    check_layer_zero(model_cls, "KimiK25ForConditionalGeneration", [1, 4])
