@@ -76,11 +76,12 @@ def make_tokenizer(out: Path, vocab_size: int = 1024):
 
 FAMILIES = ("llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "kimi_k25")
 
+# Kimi-K2.5's media markers (special tokens of its tokenizer)
+KIMI_MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"]
+
 # MLA head sizes of DeepSeek-V3 / Kimi-K2, which vLLM's MLA backends require: its CPU and
 # Hopper kernels take a 576 = 512 + 64 latent and a 192 = 128 + 64 query-key head, and
 # refuse others ("Head dimension 96 is not supported by MLA" for 32 + 32 + 32).
-KIMI_MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"]
-
 DEEPSEEK_MLA = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 
@@ -193,6 +194,8 @@ def make_tiny_model(
     if not weights:
         config.architectures = [model_cls.__name__]  # save_pretrained of a model would write it
         config.save_pretrained(out)
+        if family == "kimi_k25":
+            _write_kimi_media_config(out)
         _finish_config(out, family, dtype)
         return out
     torch.manual_seed(seed)
