@@ -10,9 +10,12 @@ import torch
 
 @functools.lru_cache(maxsize=4)
 def load(model_dir: str):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir).to(torch.float32)  # fp32 whatever was saved
+    # A multimodal target (Kimi-K2.5): its text path, which hsx serves
+    multimodal = hasattr(AutoConfig.from_pretrained(model_dir), "text_config")
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir).to(torch.float32)  # fp32 whatever was saved
     model.eval()
     return model
 
@@ -21,9 +24,10 @@ def load(model_dir: str):
 def reference_states(model_dir: str, token_ids, layer_ids) -> torch.Tensor:
     """[T, L, H] float32 for the given ids."""
     model = load(model_dir)
-    n = model.config.num_hidden_layers
+    n = model.config.get_text_config().num_hidden_layers
     captured = {}
-    handle = model.model.norm.register_forward_hook(lambda m, inp, out: captured.__setitem__("pre", inp[0]))
+    decoder = getattr(model.model, "language_model", model.model)
+    handle = decoder.norm.register_forward_hook(lambda m, inp, out: captured.__setitem__("pre", inp[0]))
     try:
         out = model(torch.as_tensor([list(token_ids)]), output_hidden_states=True)
     finally:

@@ -3,8 +3,11 @@
 Families: `llama` (dense; `hsx demo`, the tests and the benchmark, which asks for a
 bigger one: 16 layers x 2048 hidden), `qwen3_moe` (a mixture of experts),
 `qwen3_next` (a hybrid: Gated DeltaNet linear-attention layers, one full-attention
-layer in four, MoE MLPs) and `deepseek_v3` (the DeepSeek-V3 / Kimi-K2 architecture:
-MLA attention, sigmoid `noaux_tc` routing over routed + 1 shared expert, first layer dense). The tokenizer is a byte-level BPE trained here on a short
+layer in four, MoE MLPs), `deepseek_v3` (the DeepSeek-V3 / Kimi-K2 architecture:
+MLA attention, sigmoid `noaux_tc` routing over routed + 1 shared expert, first layer dense)
+and `kimi_k25` (Kimi-K2.5: that DeepSeek-V3 text model behind a one-block MoonViT vision
+tower, in the multimodal checkpoint layout vLLM's `KimiK25ForConditionalGeneration` loads).
+The tokenizer is a byte-level BPE trained here on a short
 built-in text, with a ChatML-style chat template that marks assistant turns with
 `{% generation %}`, so every request kind works on it.
 """
@@ -71,7 +74,10 @@ def make_tokenizer(out: Path, vocab_size: int = 1024):
     return fast
 
 
-FAMILIES = ("llama", "qwen3_moe", "qwen3_next", "deepseek_v3")
+FAMILIES = ("llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "kimi_k25")
+
+# Kimi-K2.5's media markers (special tokens of its tokenizer)
+KIMI_MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"]
 
 # MLA head sizes of DeepSeek-V3 / Kimi-K2, which vLLM's MLA backends require: its CPU and
 # Hopper kernels take a 576 = 512 + 64 latent and a 192 = 128 + 64 query-key head, and
@@ -129,6 +135,20 @@ def _config(family: str, tokenizer, *, num_layers: int, hidden_size: int, interm
             routed_scaling_factor=2.5,
         )
         return cfg, DeepseekV3ForCausalLM
+    if family == "kimi_k25":
+        from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+        text, _ = _config("deepseek_v3", tokenizer, num_layers=num_layers, hidden_size=hidden_size,
+                          intermediate_size=intermediate_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                          vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, mla=mla)
+        # The smallest MoonViT: one block, 2 heads of 32; the projector's norm takes its width.
+        vision = dict(patch_size=14, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                      num_hidden_layers=1, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4)
+        media = dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id"),
+                         tokenizer.convert_tokens_to_ids(["<|media_begin|>", "<|media_pad|>", "<|media_end|>"])))
+        cfg = Kimi_K25Config(text_config=text.to_dict(), vision_config=vision, projection_hidden_size=64,
+                             tie_word_embeddings=False, **media)
+        return cfg, Kimi_K25ForConditionalGeneration
     raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
 
 
@@ -159,6 +179,9 @@ def make_tiny_model(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(out, vocab_size=min(vocab_size, 1024))
+    if family == "kimi_k25":  # Kimi-K2.5's media markers, which vLLM's processor looks up by name
+        tokenizer.add_special_tokens({"additional_special_tokens": KIMI_MEDIA_TOKENS})
+        tokenizer.save_pretrained(out)
     config, model_cls = _config(
         family, tokenizer, num_layers=num_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size,
@@ -171,13 +194,15 @@ def make_tiny_model(
     if not weights:
         config.architectures = [model_cls.__name__]  # save_pretrained of a model would write it
         config.save_pretrained(out)
+        if family == "kimi_k25":
+            _write_kimi_media_config(out)
         _finish_config(out, family, dtype)
         return out
     torch.manual_seed(seed)
     model = model_cls(config).to(getattr(torch, dtype))
     with torch.no_grad():
         # A non-trivial final norm, so post-norm checks mean something.
-        model.model.norm.weight.uniform_(0.5, 1.5)
+        getattr(model.model, "language_model", model.model).norm.weight.uniform_(0.5, 1.5)
         # Random init leaves some parameters at their defaults (e.g. GDN's A_log, dt_bias),
         # which would hide a layer that vLLM computes differently: perturb every 1-D one.
         if family == "qwen3_next":
@@ -185,24 +210,62 @@ def make_tiny_model(
                 if p.dim() == 1 and "norm" not in name:
                     p.add_(torch.randn_like(p) * 0.1)
         # The routers' selection bias starts at zero, which would leave it unchecked.
-        if family == "deepseek_v3":
+        if family in ("deepseek_v3", "kimi_k25"):
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.add_(torch.randn_like(b) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
+    if family == "kimi_k25":
+        _kimi_checkpoint_layout(out)
+        _write_kimi_media_config(out)
     _finish_config(out, family, dtype)
     return out
+
+
+# transformers' save of Kimi-K2.5 reverses its load-time renames only in part (its reverse of
+# the vision tower's `blocks` -> `layers` renames the text layers too): the names Moonshot's
+# checkpoints use, which vLLM loads and transformers reads back.
+_KIMI_SAVED_NAMES = {
+    "language_model.model.blocks.": "language_model.model.layers.",
+    "model.mm_projector.": "mm_projector.",
+    "vision_tower.encoder.patch_embed.": "vision_tower.patch_embed.",
+}
+
+
+def _write_kimi_media_config(out: Path) -> None:
+    """The image preprocessing settings Kimi-K2.5 ships (`media_proc_cfg`), which vLLM's own
+    Kimi-K2.5 image processor reads at start, even for text-only serving."""
+    media = dict(patch_size=14, merge_kernel_size=2, temporal_merge_kernel_size=4, image_mean=[0.5] * 3,
+                 image_std=[0.5] * 3, in_patch_limit=16384, in_patch_limit_each_frame=4096,
+                 in_patch_limit_video=None, patch_limit_on_one_side=512, fixed_output_tokens=None)
+    (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": media}, indent=2))
+
+
+def _kimi_checkpoint_layout(out: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    for shard in out.glob("*.safetensors"):
+        tensors = load_file(shard)
+        renamed = {}
+        for name, t in tensors.items():
+            for old, new in _KIMI_SAVED_NAMES.items():
+                if name.startswith(old):
+                    name = new + name[len(old):]
+            renamed[name] = t
+        save_file(renamed, shard, metadata={"format": "pt"})
 
 
 def _finish_config(out: Path, family: str, dtype: str) -> None:
     cfg = json.loads((out / "config.json").read_text())
     cfg["torch_dtype"] = dtype
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "kimi_k25"):
         # Read by vLLM, absent from transformers' config (which always routes this way):
         # sigmoid scores with the e_score_correction_bias choosing experts, as DeepSeek-V3 and
         # Kimi-K2 ship. Without topk_method vLLM's loader has no place for the bias; without
         # scoring_func vLLM routes by softmax.
-        cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
+        (cfg.get("text_config") or cfg).update(topk_method="noaux_tc", scoring_func="sigmoid")
+    if family == "kimi_k25":
+        cfg["architectures"] = ["KimiK25ForConditionalGeneration"]  # Moonshot's (and vLLM's) name
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -214,7 +277,7 @@ def make_tiny_llama(out: str | os.PathLike, **kwargs) -> Path:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hsx make-tiny-model", description=__doc__)
     p.add_argument("out")
-    p.add_argument("--family", default="llama", choices=FAMILIES, help="dense Llama, MoE, hybrid or DeepSeek-V3 MLA + MoE (default llama)")
+    p.add_argument("--family", default="llama", choices=FAMILIES, help="dense Llama, MoE, hybrid, DeepSeek-V3 MLA + MoE or Kimi-K2.5 (default llama)")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--intermediate", type=int, default=256)

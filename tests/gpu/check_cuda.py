@@ -287,8 +287,12 @@ def extra_model_checks(a, model_dir: str, work: Path, quantization: str | None =
                  log_dir=work, name=Path(model_dir).name + (f"-{quantization}" if quantization else ""), mem=0.3)
     try:
         vocab = int(text.get("vocab_size", 1000))
+        # Text-only prompts: a multimodal model's image placeholder without its image is embedded
+        # as token 0 by transformers and as itself by vLLM (docs/compatibility.md, Kimi-K2.5).
+        media = {cfg.get("image_token_id"), cfg.get("video_token_id")}
+        ids = [i for i in range(6, vocab) if i not in media]
         rng = random.Random(3)
-        bodies = [{"input_ids": [1] + [rng.randrange(6, vocab) for _ in range(rng.choice([5, 60, 300, 700]))]}
+        bodies = [{"input_ids": [1] + [rng.choice(ids) for _ in range(rng.choice([5, 60, 300, 700]))]}
                   for _ in range(16)]
         peaks = Peaks(srv.url)
         rs = asyncio.run(fetch_all(srv.url, bodies, peaks))

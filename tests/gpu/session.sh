@@ -7,7 +7,7 @@
 #   bash tests/gpu/session.sh stash 0.33.0 K      # carry .gpukit-0.33.0/pK (and .gpufix in the first)
 #   bash tests/gpu/session.sh check 0.33.0        # carry the last part: assemble, load check, check_cuda
 #   bash tests/gpu/session.sh extra 0.33.0        # stories260K chats, tiny MoE and hybrid, every layer
-#   bash tests/gpu/session.sh mla 0.26.0          # tiny DeepSeek-V3 (MLA + MoE), bf16 and fp8, every layer
+#   bash tests/gpu/session.sh mla 0.26.0          # tiny DeepSeek-V3 and Kimi-K2.5 (MLA + MoE), bf16 and fp8, every layer
 #   bash tests/gpu/session.sh bench 0.33.0        # hsx bench --h200
 #   bash tests/gpu/session.sh mla|quant|bitequal 0.26.0   # issue 27: MLA, quantized, bit-equality vs vLLM's own path
 #   bash tests/gpu/session.sh bench17 0.33.0 preset|8b [WORKERS [HTTP_WORKERS]]   # issue 17's HTTP rows
@@ -113,11 +113,20 @@ mla)
     . tests/gpu/kit/env.sh
     python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 --layers 4 --heads 16 \
         --dtype bfloat16 >/dev/null
+    # Kimi-K2.5 (KimiK25ForConditionalGeneration: the same text model behind a MoonViT), its text path.
+    kimi=()
+    if python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-kimi-k25 --family kimi_k25 --layers 4 --heads 16 \
+        --dtype bfloat16 >/dev/null 2>&1; then
+        kimi=(--extra-model /tmp/tiny-kimi-k25)
+    else
+        echo "session: this hsx's make-tiny-model has no --family kimi_k25 (or its transformers no Kimi-K2.5): skipped"
+    fi
     runner=$(expected_runner)
     python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" --extra-model /tmp/tiny-deepseek-v3 \
-        --extra-quantization fp8 --json "$out/check-mla-$ver.json" 2>&1 | tee "$out/check-mla-$ver.log"
+        "${kimi[@]}" --extra-quantization fp8 --json "$out/check-mla-$ver.json" 2>&1 | tee "$out/check-mla-$ver.log"
     # Which MLA / prefill / MoE backends vLLM picked, from the servers' logs.
-    grep -hiE "backend|quantiz" /tmp/hsx-gpu-check-*/tiny-deepseek-v3*.log > "$out/mla-backends-$ver.txt" || true
+    grep -hiE "backend|quantiz" /tmp/hsx-gpu-check-*/tiny-deepseek-v3*.log /tmp/hsx-gpu-check-*/tiny-kimi-k25*.log \
+        > "$out/mla-backends-$ver.txt" 2>/dev/null || true
     ;;
 quant)
     # Issue 27: quantized checkpoints (block-FP8, W4A16 Machete and Marlin, FP8 on the fly) of the
