@@ -22,6 +22,7 @@ from hsx.wire import LEASE_MEDIA_TYPE, MEDIA_TYPE, TensorSpec, encode_header
 from hsx_service.admission import DRAIN_RETRY_AFTER, AdmissionGate
 from hsx_service.docs import attach_offline_docs, offline_docs_app_kwargs
 from hsx_service.engine import Extractor
+from hsx_service.generation import router as generation_router
 from hsx_service.errors import Draining, LeaseGone, NotAvailable, NotReady, install_error_handlers
 from hsx_service.guard import GuardMiddleware
 from hsx_service.auth import key_matches
@@ -94,6 +95,8 @@ def create_app(st: ServerState, lifespan: Lifespan | None = None) -> FastAPI:
     install_error_handlers(app, st.metrics)
     app.add_middleware(GuardMiddleware, settings=st.settings, gate=st.gate, metrics=st.metrics,
                        internal_key=st.front_token)
+
+    app.include_router(generation_router())  # POST /v1/chat/completions (generation.py)
 
     probe = {200: {"model": ProbeStatus}, 503: {"model": ProbeStatus, "description": "not live / not ready"}}
 
