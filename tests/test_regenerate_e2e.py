@@ -116,8 +116,8 @@ def test_regenerate_then_extract_masks_exactly_the_generated_tokens(servers, cha
     run_extract(servers, sf, "--input", str(out), "--format", "specforge", "--mask-policy", "all_turns",
                 "--no-shuffle")
     reqs = {s.key: s.request for s in read_samples([str(out)], mask_policy="all_turns")}
-    for r in regen:
-        req = reqs[f"{r['hsx_regenerated']['key']}:all"]
+    for line, r in enumerate(regen, 1):
+        req = reqs[f"{out.name}:{line}:all"]
         last = r["hsx_turns"][-1]
         assert req["input_ids"] == last["prompt_token_ids"] + last["token_ids"]
         assert req["input_ids"][-len(last["token_ids"]):] == last["token_ids"]
