@@ -117,11 +117,14 @@ def sampling_params(body: ChatCompletionRequest, prompt_tokens: int, max_model_l
         # step with Generator.set_offset, which CPU generators lack: the engine dies.
         raise BadInput("seed is not available on vLLM's CPU backend (a seeded request whose prefill is "
                        "chunked stops its engine); leave seed out, or use temperature 0 for a reproducible reply")
-    return SamplingParams(
-        max_tokens=asked or room, temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k if body.top_k is not None else 0, seed=seed, stop=stop or None,
-        skip_special_tokens=body.skip_special_tokens, n=1,
-    )
+    try:
+        return SamplingParams(
+            max_tokens=asked or room, temperature=body.temperature, top_p=body.top_p,
+            top_k=body.top_k if body.top_k is not None else 0, seed=seed, stop=stop or None,
+            skip_special_tokens=body.skip_special_tokens, n=1,
+        )
+    except ValueError as exc:  # vLLM's own checks of the sampling values
+        raise BadInput(f"vLLM refused the sampling parameters: {exc}") from None
 
 
 class Generator:
@@ -218,10 +221,7 @@ def router() -> APIRouter:
             raise NotReady("the engine is still loading; retry shortly", retry_after=5, reason="loading")
         gen = getattr(st, "generator", None)
         if gen is None:
-            try:
-                gen = st.generator = Generator(st)
-            except StartupError as exc:
-                raise NotAvailable(str(exc)) from exc
+            raise NotAvailable("generation is not served by this process")
         work = asyncio.ensure_future(gen.complete(body, request.state.request_id, request.state.ticket))
         cut_off = asyncio.ensure_future(st.cut_off.wait())
         try:

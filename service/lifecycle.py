@@ -48,6 +48,7 @@ from hsx_service.connections import protocol_for
 from hsx_service.engine import Extractor
 from hsx_service import vllm_compat
 from hsx_service.errors import StartupError
+from hsx_service.generation import Generator
 from hsx_service.fronts import HttpWorkers, Listener, resolve_count
 from hsx_service.lease import ArenaSocket
 from hsx_service.metrics import sample_loop_lag
@@ -232,6 +233,7 @@ class Lifecycle:
                 except OSError as exc:  # e.g. no abstract sockets here: serve HTTP bodies only
                     log.warning("same-host leases off: cannot open the arena socket: %s", exc)
                     service.leases = None
+            st.generator = Generator(st)  # POST /v1/chat/completions; checks --reasoning-parser
             st.service = service  # /ready is 200 from here on
             log.info("ready: %s, layers %s", f.served_model_name, f.layer_ids)
         except asyncio.CancelledError:
