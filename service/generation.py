@@ -33,7 +33,9 @@ ROUTE = "/v1/chat/completions"
 
 
 class ChatCompletionRequest(BaseModel):
-    """The subset hsx serves; any other field is refused (422), never silently ignored."""
+    """The subset hsx serves; any other field is refused (422), never silently ignored.
+    No top_k: on vLLM's CPU backend a top_k request under hsx's speculative config (the
+    rejection sampler) stopped the engine (tests/test_service_schemathesis.py found it)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -44,7 +46,6 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
     seed: StrictInt | None = None
     n: Literal[1] = 1
     stop: str | list[str] | None = None
@@ -120,7 +121,7 @@ def sampling_params(body: ChatCompletionRequest, prompt_tokens: int, max_model_l
     try:
         return SamplingParams(
             max_tokens=asked or room, temperature=body.temperature, top_p=body.top_p,
-            top_k=body.top_k if body.top_k is not None else 0, seed=seed, stop=stop or None,
+            seed=seed, stop=stop or None,
             skip_special_tokens=body.skip_special_tokens, n=1,
         )
     except ValueError as exc:  # vLLM's own checks of the sampling values
