@@ -53,14 +53,18 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}; see {self.log.name}")
+                raise RuntimeError(f"server exited {self.proc.returncode}: {self.tail()}")
             try:
                 if httpx.get(self.url + path, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        raise TimeoutError(f"server not ready in {timeout}s; see {self.log.name}")
+        raise TimeoutError(f"server not ready in {timeout}s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -113,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hsx-regen-bench-") as d:
         tmp = Path(d)
         port = free_port()
-        vllm = Server(["vllm", "serve", args.model, "--port", str(port), *flags], port, tmp / "vllm.log")
+        # vLLM's OpenAI server module: the `vllm` script needs the package's metadata (absent
+        # from some CPU builds)
+        vllm = Server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port", str(port), *flags], port, tmp / "vllm.log")
         try:
             vllm.wait("/health", args.timeout)
             results["vllm"] = measure(vllm, args, tmp, "vllm", args.model)
