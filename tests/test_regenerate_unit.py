@@ -14,7 +14,8 @@ import pytest
 from hsx_client.inputs import BadRow, read_samples
 from hsx_client.regenerate.conversations import read_conversations
 from hsx_client.regenerate.journal import Journal
-from hsx_client.regenerate.turns import NoTokenIds, Sampling, regenerate
+from hsx_client.errors import BadRequestError
+from hsx_client.regenerate.turns import ContextFull, NoTokenIds, Sampling, regenerate
 from _server import STORIES, TEMPLATES
 
 
@@ -93,6 +94,34 @@ def test_an_endpoint_without_token_ids_is_refused():
         run([{"role": "user", "content": "a"}], FakeServer(token_ids=False))
 
 
+class ContextLimit(FakeServer):
+    """Refuses, as hsx serve does, a prompt of more than `limit` messages."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+
+    async def __call__(self, body):
+        if len(body["messages"]) > self.limit:
+            raise BadRequestError("max_tokens 8 + the prompt's 600 tokens exceed max_model_len 512", status=400)
+        return await super().__call__(body)
+
+
+def test_a_turn_with_no_room_in_the_context_ends_the_conversation_or_drops_it():
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    out = run(msgs, ContextLimit(2))
+    assert out.ended == "context_full" and [m["role"] for m in out.messages] == ["user", "assistant"]
+    with pytest.raises(ContextFull):
+        run(msgs, ContextLimit(0))
+    with pytest.raises(BadRequestError):  # any other refusal is the conversation's failure
+        run(msgs, type("Refusing", (FakeServer,), {"__call__": _refuse})())
+
+
+async def _refuse(self, body):
+    raise BadRequestError("model 'x' is not served here", status=400)
+
+
 def test_journal_cuts_a_torn_last_line(tmp_path):
     out = tmp_path / "o.jsonl"
     j = Journal(out)
@@ -105,7 +134,8 @@ def test_journal_cuts_a_torn_last_line(tmp_path):
     j.open({"keys": ["a", "b"]})
     assert list(j.done) == ["a"]
     j.record("b", {"messages": [1]})
-    manifest = j.write_output(["a", "b"], {})
+    j.record("c", None)  # dropped: journaled, never written
+    manifest = j.write_output(["a", "b", "c"], {})
     j.close()
     assert manifest["rows"] == 2 and [json.loads(x) for x in out.read_text().splitlines()][1] == {"messages": [1]}
     with pytest.raises(Exception, match="other settings"):

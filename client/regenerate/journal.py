@@ -78,7 +78,7 @@ class Journal:
                 fh.truncate(keep)
                 os.fsync(fh.fileno())
 
-    def record(self, key: str, row: dict[str, Any]) -> None:
+    def record(self, key: str, row: dict[str, Any] | None) -> None:
         line = json.dumps({"key": key, "row": row}, ensure_ascii=False, separators=(",", ":")) + "\n"
         assert self._fh is not None
         self._fh.write(line.encode())
@@ -88,7 +88,8 @@ class Journal:
 
     def write_output(self, keys: list[str], manifest: dict[str, Any]) -> dict[str, Any]:
         """PATH from the journal in plan order, then its manifest; returns the manifest."""
-        rows = [json.dumps(self.done[k], ensure_ascii=False) + "\n" for k in keys if k in self.done]
+        # A None row is a dropped conversation (no room for its first reply): not written.
+        rows = [json.dumps(self.done[k], ensure_ascii=False) + "\n" for k in keys if self.done.get(k) is not None]
         data = "".join(rows).encode()
         store.write_file_atomic(self.output, data)
         manifest = {**manifest, "rows": len(rows), "size": len(data),

@@ -22,7 +22,7 @@ from hsx_client.inputs import BadRow
 
 from .conversations import Conversation, read_conversations
 from .journal import Journal
-from .turns import NoTokenIds, Sampling, regenerate
+from .turns import ContextFull, NoTokenIds, Sampling, regenerate
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -96,7 +96,7 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
     todo = [c for c in conversations if c.key not in journal.done]
     failures: Counter[str] = Counter()
     errors: dict[str, str] = {}
-    stats = {"conversations": 0, "generated_tokens": 0, "turns": 0, "length_cut_turns": 0,
+    stats = {"conversations": 0, "generated_tokens": 0, "turns": 0, "length_cut_turns": 0, "dropped": 0,
              "ended": Counter()}
     refused: list[BaseException] = []
     started = time.monotonic()
@@ -119,6 +119,10 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
                                        lambda body: client.chat_completion(body, request_id=None))
             except NoTokenIds as exc:
                 refused.append(exc)
+                return
+            except ContextFull:
+                journal.record(conv.key, None)  # dropped for good: a rerun does not try it again
+                stats["dropped"] += 1
                 return
             except HsxError as exc:
                 failures[exc.type or type(exc).__name__] += 1
@@ -176,6 +180,8 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
         "generated_tokens_per_s": stats["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
         "length_cut_turns": stats["length_cut_turns"],
         "ended": dict(stats["ended"]),
+        # (this run's and earlier runs': a dropped conversation is journaled as None)
+        "dropped_context_full": sum(1 for k in keys if k in journal.done and journal.done[k] is None),
         "failed": sum(failures.values()),
         "failed_by_reason": dict(failures),
         "failed_examples": dict(list(errors.items())[:5]),

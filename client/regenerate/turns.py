@@ -9,7 +9,11 @@ replies included. The conversation ends early, keeping what was generated, at:
     stays the context of the next ones; either way its finish_reason flags it;
   * a turn whose tool calls cannot be paired with the recorded results: the recorded
     tool messages answer the recorded calls, so they follow the regenerated turn only
-    when it calls the same functions in the same order (ids taken from the recording).
+    when it calls the same functions in the same order (ids taken from the recording);
+  * a turn whose prompt leaves no room in the model's context (the server refuses it as
+    too long): "context_full". When that is the first turn, nothing is kept
+    (`ContextFull`: the run counts the conversation as dropped, as extract drops a row
+    with nothing to supervise).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hsx_client.errors import HsxError
+from hsx_client.errors import BadRequestError, HsxError, PayloadTooLargeError
 
 Complete = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -29,6 +33,19 @@ _SENT_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasonin
 
 class NoTokenIds(HsxError):
     """The endpoint answered without token ids: refused, never re-tokenized."""
+
+
+class ContextFull(HsxError):
+    """The conversation's first reply already has no room in the model's context."""
+
+
+# How hsx serve and vLLM word a prompt with no room left to generate.
+_TOO_LONG = ("max_model_len", "maximum context length", "too long", "exceed")
+
+
+def _too_long(exc: HsxError) -> bool:
+    return isinstance(exc, PayloadTooLargeError) or (
+        isinstance(exc, BadRequestError) and any(w in str(exc).lower() for w in _TOO_LONG))
 
 
 @dataclass
@@ -98,7 +115,18 @@ async def regenerate(key: str, messages: list[dict[str, Any]], tools: list[dict]
     while i <= len(messages):
         if i in points:
             recorded = messages[i] if i < len(messages) and messages[i]["role"] == "assistant" else None
-            answer = await complete(_request(out, tools, sampling, seed, len(result.turns)))
+            try:
+                answer = await complete(_request(out, tools, sampling, seed, len(result.turns)))
+            except HsxError as exc:
+                if not _too_long(exc):
+                    raise
+                if not result.turns:
+                    raise ContextFull(f"the first reply has no room in the model's context: {exc}",
+                                      type="context_full") from exc
+                while out and out[-1]["role"] != "assistant":  # end on the model's last reply
+                    out.pop()
+                result.ended = "context_full"
+                return result
             msg, turn = _reply(answer)
             follows_tools = i + 1 < len(messages) and messages[i + 1]["role"] == "tool"
             recorded_calls = (recorded or {}).get("tool_calls")
