@@ -254,6 +254,32 @@ class HsxClient:
 
         return await self._pool.with_retries(attempt, request_id)
 
+    async def chat_completion(self, body: dict[str, Any], *, request_id: str | None = None) -> dict[str, Any]:
+        """`POST /v1/chat/completions` with retries (hsx serve's generation route, or any
+        OpenAI-compatible server such as `vllm serve`): the JSON answer as it came."""
+        payload = _json_body(body)
+
+        async def attempt(server: ServerState, rid: str) -> dict[str, Any]:
+            http = self._ensure_open()
+            headers = {"Content-Type": "application/json", "X-Request-Id": rid}
+            try:
+                resp = await http.post(server.url + "/v1/chat/completions", content=payload, headers=headers)
+            except httpx.HTTPError as exc:
+                raise self._wrap_transport_error(exc, server, rid) from exc
+            server.answered = True
+            if resp.status_code != 200:
+                raise error_from_response(resp.status_code, resp.content, resp.headers, server=server.url,
+                                          request_id=resp.headers.get("x-request-id") or rid)
+            try:
+                out = resp.json()
+                out["choices"][0]
+            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                raise ServerError("/v1/chat/completions did not return a choice", type="bad_response",
+                                  server=server.url, request_id=rid) from exc
+            return out
+
+        return await self._pool.with_retries(attempt, request_id)
+
     async def release_lease(self, lease: Lease) -> None:
         """Give a lease's range back. Raises LeaseExpiredError when it had expired (or the
         answer is unknown): the states read under it may be stale, so redo the request."""

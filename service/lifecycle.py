@@ -53,6 +53,7 @@ from hsx_service.http.http_workers import HttpWorkers, Listener, resolve_count
 from hsx_service.engine.lease import ArenaSocket
 from hsx_service.http.metrics import sample_loop_lag
 from hsx_service.engine.norm import load_final_norm
+from hsx_service.http.routes_generation import Generator
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 from hsx_service.tokenize_pool import TokenizerPool
@@ -233,6 +234,7 @@ class Lifecycle:
                 except OSError as exc:  # e.g. no abstract sockets here: serve HTTP bodies only
                     log.warning("same-host leases off: cannot open the arena socket: %s", exc)
                     service.leases = None
+            st.generator = Generator(st)  # POST /v1/chat/completions; checks --reasoning-parser
             st.service = service  # /ready is 200 from here on
             log.info("ready: %s, layers %s", f.served_model_name, f.layer_ids)
         except asyncio.CancelledError:

@@ -146,7 +146,8 @@ class HiddenStatesService:
             keep = self._limit(req) if req.truncation == "right" else None
             return await self.tokenizer.encode("prompt", req.prompt, req.add_special_tokens, keep)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        return await self.tokenizer.encode("chat", messages, req.tools, req.chat_template, req.assistant_mask)
+        return await self.tokenizer.encode("chat", messages, req.tools, req.chat_template, req.assistant_mask,
+                                           req.chat_template_kwargs)
 
     def _limit(self, req: HiddenStatesRequest) -> int:
         return min(req.max_length or self.max_tokens, self.max_tokens)
@@ -355,6 +356,7 @@ def text_bytes(req: HiddenStatesRequest) -> int:
     if req.prompt is not None:
         return len(req.prompt.encode("utf-8", "surrogatepass"))
     total = len(req.chat_template or "") + (len(json.dumps(req.tools)) if req.tools else 0)
+    total += len(json.dumps(req.chat_template_kwargs)) if getattr(req, "chat_template_kwargs", None) else 0
     for m in req.messages or ():
         c = m.content
         total += len(c.encode("utf-8", "surrogatepass")) if isinstance(c, str) else len(json.dumps(c)) if c else 0

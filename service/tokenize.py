@@ -88,25 +88,14 @@ class Tokenizer:
         tools: list[dict] | None,
         template: str | None,
         which: str,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> Encoded:
-        template = template or self.default_template
-        if not template:
-            raise BadInput(
-                "this model has no chat template: start the server with --chat-template FILE "
-                "(or with --trust-request-chat-template, send chat_template with the request)"
-            )
+        template = self._template(template)
         if not any(m.get("role") == "assistant" for m in messages):
             raise BadInput("messages hold no assistant turn, so there is nothing to supervise")
 
         def render(msgs: list[dict[str, Any]], gen_prompt: bool) -> str:
-            try:
-                return self.tok.apply_chat_template(
-                    msgs, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=gen_prompt
-                )
-            except MemoryError:  # the worker's --tokenize-memory: the pool answers 413
-                raise
-            except Exception as exc:  # jinja errors, raise_exception() in templates
-                raise BadInput(f"the chat template failed to render these messages: {exc}") from exc
+            return self._render(msgs, tools, template, gen_prompt, template_kwargs)
 
         full = render(messages, False)
         spans = assistant_spans(messages, full, render)
@@ -115,6 +104,36 @@ class Tokenizer:
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         return Encoded(ids, mask_from_spans(enc["offset_mapping"], spans), "chat_template")
+
+
+    def _template(self, template: str | None) -> str:
+        template = template or self.default_template
+        if not template:
+            raise BadInput(
+                "this model has no chat template: start the server with --chat-template FILE "
+                "(or with --trust-request-chat-template, send chat_template with the request)"
+            )
+        return template
+
+    def _render(self, msgs: list[dict[str, Any]], tools: list[dict] | None, template: str, gen_prompt: bool,
+                template_kwargs: dict[str, Any] | None) -> str:
+        try:
+            return self.tok.apply_chat_template(
+                msgs, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=gen_prompt,
+                **(template_kwargs or {}),
+            )
+        except MemoryError:  # the worker's --tokenize-memory: the pool answers 413
+            raise
+        except Exception as exc:  # jinja errors, raise_exception() in templates
+            raise BadInput(f"the chat template failed to render these messages: {exc}") from exc
+
+    def encode_generation_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None,
+                                 template: str | None, template_kwargs: dict[str, Any] | None) -> Encoded:
+        """The prompt of POST /v1/chat/completions: the chat with the generation prompt,
+        tokenized without special tokens added (the template holds them), as vLLM's
+        chat route does."""
+        text = self._render(messages, tools, self._template(template), True, template_kwargs)
+        return Encoded(list(self.tok(text, add_special_tokens=False)["input_ids"]), None, "none")
 
 
 def mask_from_spans(offsets, spans: list[Span]) -> list[int]:

@@ -72,6 +72,8 @@ def _encode(kind: str, args: tuple) -> Encoded:
     try:
         if kind == "prompt":
             return _TOKENIZER.encode_prompt(*args)
+        if kind == "generation":
+            return _TOKENIZER.encode_generation_prompt(*args)
         return _TOKENIZER.encode_chat(*args)
     except MemoryError:
         # Exit rather than answer: the memory the input took may stay with this process
@@ -131,9 +133,10 @@ class TokenizerPool:
 
     async def encode(self, kind: str, *args: Any) -> Encoded:
         """kind "prompt": (text, add_special_tokens, keep_first); "chat": (messages, tools,
-        template, which). Raises ServiceError (Overloaded when its lane is full)."""
+        template, which, template_kwargs); "generation": (messages, tools, template,
+        template_kwargs). Raises ServiceError (Overloaded when its lane is full)."""
         lane = self._main
-        if kind == "chat" and args[2] is not None and self._request_templates is not None:
+        if kind in ("chat", "generation") and args[2] is not None and self._request_templates is not None:
             lane = self._request_templates
         if lane.busy >= lane.capacity:
             raise Overloaded(f"{lane.busy} requests are being {lane.name} (limit {lane.capacity}); retry shortly",

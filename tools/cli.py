@@ -14,6 +14,7 @@ commands:
   serve MODEL [vLLM engine flags] [hsx flags]   run the extraction server
   extract --server URL --input FILE --output DIR  write a training corpus
   verify DIR                                      re-check a corpus
+  regenerate --server URL --input FILE --output PATH  the target's own answers to a chat dataset
   merge OUT SHARD_DIR...                          one corpus from the shards of `extract --shard I/N`
   demo                                            tiny CPU model + server + extract, end to end
   bench                                           benchmark against plain prefill and vLLM's file path
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         from hsx_client.corpus.cli import extract_main as run
     elif command == "verify":
         from hsx_client.corpus.cli import verify_main as run
+    elif command == "regenerate":
+        from hsx_client.regenerate.cli import main as run
     elif command == "merge":
         from hsx_client.corpus.cli import merge_main as run
     elif command == "demo":

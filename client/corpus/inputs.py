@@ -244,7 +244,7 @@ def _openai_messages(raw: Any) -> list[dict]:
             raise _Bad(f"message {j} ({role}) has no content")
         if content is not None and not isinstance(content, (str, list)):
             raise _Bad(f"message {j} content must be a string or a list of parts")
-        out.append(m)
+        out.append(_with_reasoning(m, m))
     return out
 
 
@@ -271,8 +271,21 @@ def _sharegpt_messages(raw: Any, system: Any) -> list[dict]:
             role = "tool"
         else:
             raise _Bad(f"turn {j} has unknown speaker {who!r}")
-        out.append({"role": role, "content": text})
+        out.append(_with_reasoning({"role": role, "content": text}, turn) if role == "assistant" else
+                   {"role": role, "content": text})
     return out
+
+
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _with_reasoning(msg: dict, raw: dict) -> dict:
+    """An assistant message's reasoning under `reasoning_content` (the key Qwen3-, DeepSeek-
+    R1- and Kimi-style templates read), from whichever of REASONING_KEYS the data uses."""
+    if msg.get("role") != "assistant" or "reasoning_content" in msg:
+        return msg
+    text = next((raw[k] for k in REASONING_KEYS if isinstance(raw.get(k), str) and raw[k]), None)
+    return msg if text is None else {**msg, "reasoning_content": text}
 
 
 def _alpaca_messages(row: dict) -> list[dict]:
@@ -289,7 +302,7 @@ def _alpaca_messages(row: dict) -> list[dict]:
             raise _Bad("Alpaca 'history' must be a list of [user, assistant] pairs")
         msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
     user = instr + ("\n\n" + inp if isinstance(inp, str) and inp else "")
-    msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    msgs += [{"role": "user", "content": user}, _with_reasoning({"role": "assistant", "content": output}, row)]
     return msgs
 
 
@@ -320,6 +333,50 @@ def _chat_samples(name: str, n: int, source: str, msgs: list[dict], tools: list 
         Sample(f"{name}:{n}:t{k}", source, {"messages": msgs[: j + 1], **extra, "assistant_mask": "last"})
         for k, j in enumerate(turns, 1)
     ]
+
+
+def _id_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)
+
+
+def _recorded_samples(name: str, n: int, source: str, turns: Any, mask_policy: str) -> list[Sample]:
+    """A row of `hsx regenerate`: its turns' recorded token ids, never re-tokenized. Each
+    turn's sample is its prompt ids followed by its generated ids, the generated ones
+    (exactly those) supervised. all_turns: the last turn's sample, with each earlier
+    turn's generated ids supervised too where they appear verbatim, in order, in its
+    prompt (a template that re-renders earlier turns, e.g. without their reasoning,
+    leaves those unsupervised: they are no longer the model's own tokens)."""
+    if not isinstance(turns, list) or not all(
+            isinstance(t, dict) and _id_list(t.get("prompt_token_ids")) and _id_list(t.get("token_ids")) for t in turns):
+        raise _Bad("'hsx_turns' must be a list of {prompt_token_ids, token_ids} integer lists")
+    turns = [t for t in turns if t["token_ids"] and t["prompt_token_ids"]]
+    if not turns:
+        raise _Bad("no regenerated turn holds generated tokens", NO_ASSISTANT)
+    if mask_policy == "per_turn":
+        return [Sample(f"{name}:{n}:t{k}", source,
+                       {"input_ids": t["prompt_token_ids"] + t["token_ids"],
+                        "loss_mask": [0] * len(t["prompt_token_ids"]) + [1] * len(t["token_ids"])})
+                for k, t in enumerate(turns, 1)]
+    last = turns[-1]
+    prompt = last["prompt_token_ids"]
+    mask = [0] * len(prompt)
+    at = 0
+    for t in turns[:-1]:
+        ids = t["token_ids"]
+        found = _find_run(prompt, ids, at)
+        if found >= 0:
+            mask[found:found + len(ids)] = [1] * len(ids)
+            at = found + len(ids)
+    return [Sample(f"{name}:{n}:all", source,
+                   {"input_ids": prompt + last["token_ids"], "loss_mask": mask + [1] * len(last["token_ids"])})]
+
+
+def _find_run(seq: list[int], run: list[int], start: int) -> int:
+    first, k = run[0], len(run)
+    for i in range(start, len(seq) - k + 1):
+        if seq[i] == first and seq[i:i + k] == run:
+            return i
+    return -1
 
 
 def _classify(row: Any) -> str:
@@ -409,6 +466,10 @@ def read_samples(
                 elif kind == "mtbench_answer":
                     answers.append((name, n, source, row))
                 else:
+                    if kind == "openai" and row.get("hsx_turns") is not None:  # hsx regenerate's output
+                        new = _recorded_samples(name, n, source, row["hsx_turns"], mask_policy)
+                        samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
+                        continue
                     if kind == "openai":
                         msgs, tools = _openai_messages(row["messages"]), _parse_tools(row.get("tools"))
                     elif kind == "sharegpt":

@@ -32,7 +32,7 @@ DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json", *ASSET
 PUBLIC_PATHS = PROBE_PATHS + DOC_PATHS
 MAX_REQUEST_ID = 128
 RECEIVING_GRACE = 1.0  # seconds a body gets to arrive when --max-receiving slow senders hold every place
-BODY_ROUTES = ("/hidden_states", "/tokenize")  # POST, a JSON body, through the gate's door
+BODY_ROUTES = ("/hidden_states", "/tokenize", "/v1/chat/completions")  # POST, a JSON body, through the gate's door
 
 
 class GuardMiddleware:

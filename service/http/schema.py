@@ -4,7 +4,27 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+# chat_template_kwargs a request may set: the reasoning switches of the common templates
+# (Qwen3 enable_thinking, DeepSeek-V3.1/Kimi thinking, gpt-oss reasoning_effort). Plain
+# scalars only: a template is code, and nothing a request sends may reach it as a callable
+# or override what the renderer itself passes (messages, tools, add_generation_prompt).
+TEMPLATE_KWARGS = ("enable_thinking", "thinking", "reasoning_effort", "thinking_budget", "add_vision_id",
+                   "keep_reasoning", "preserve_thinking")
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    unknown = sorted(k for k in value if k not in TEMPLATE_KWARGS)
+    if unknown:
+        raise ValueError(f"chat_template_kwargs {unknown} are not accepted; allowed: {', '.join(TEMPLATE_KWARGS)}")
+    bad = sorted(k for k, v in value.items() if not isinstance(v, (bool, int, float, str)) or
+                 (isinstance(v, str) and len(v) > 64))
+    if bad:
+        raise ValueError(f"chat_template_kwargs {bad} must be a bool, number or short string")
+    return value
 
 
 class ChatMessage(BaseModel):
@@ -26,6 +46,9 @@ class HiddenStatesRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, description="A chat, rendered with the chat template")
     tools: list[dict[str, Any]] | None = Field(None, description="Tool definitions passed to the template")
     chat_template: str | None = Field(None, max_length=200_000, description="Jinja template overriding the server's")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description=f"Template switches, for messages (allowed: {', '.join(TEMPLATE_KWARGS)})"
+    )
     assistant_mask: Literal["all", "last"] = Field(
         "all", description="Supervise every assistant turn, or only the last one"
     )
@@ -41,6 +64,8 @@ class HiddenStatesRequest(BaseModel):
         "supervises no token; checked before the engine, so such a row costs no prefill",
     )
 
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
+
     @model_validator(mode="after")
     def _one_input(self) -> "HiddenStatesRequest":
         given = [k for k in ("input_ids", "prompt", "messages") if getattr(self, k) is not None]
@@ -51,8 +76,9 @@ class HiddenStatesRequest(BaseModel):
             )
         if self.loss_mask is not None and self.input_ids is None:
             raise ValueError("loss_mask goes with input_ids only (for messages the server computes it)")
-        if (self.tools is not None or self.chat_template is not None) and self.messages is None:
-            raise ValueError("tools and chat_template go with messages only")
+        if (self.tools is not None or self.chat_template is not None or self.chat_template_kwargs is not None) \
+                and self.messages is None:
+            raise ValueError("tools, chat_template and chat_template_kwargs go with messages only")
         if self.input_ids is not None and not self.input_ids:
             raise ValueError("input_ids is empty")
         if self.prompt is not None and not self.prompt:

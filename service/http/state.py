@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -55,6 +56,7 @@ class AppState:
     # client left (DELETE /exchanges/{id}) without dropping the connection (and a lease with it).
     exchanges: dict[str, asyncio.Future] = field(default_factory=dict)
     tokenizer_pool: TokenizerPool | None = None  # once the engine has started
+    generator: Any = None  # routes_generation.Generator, once the engine serves (POST /v1/chat/completions)
     # Set when the drain's --shutdown-timeout is over: requests still being prepared or
     # prefilled are answered 503 (never a closed connection or a bare 500).
     cut_off: asyncio.Event = field(default_factory=asyncio.Event)

@@ -1,0 +1,127 @@
+"""`hsx regenerate` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+from hsx_client.settings import DEFAULTS
+
+from .run import EXIT_INTERRUPTED, EXIT_REFUSED, RegenConfig, run_regenerate
+from .turns import Sampling
+
+EPILOG = """\
+Each assistant turn of every input conversation is generated again by the served model,
+against its own earlier replies (user, system and tool turns as recorded). The output is
+a chat JSONL `hsx extract` reads token-exactly: each row's `hsx_turns` holds every
+regenerated turn's prompt and generated token ids and its finish reason.
+
+exit codes (as hsx extract's):
+  0    complete
+  1    finished with failed conversations, or stopped on an error (rerun to resume)
+  2    refused before any work: usage, no usable input rows, settings differ from the
+       plan in OUTPUT.hsx-regen/, output locked, an endpoint that returns no token ids
+  130  interrupted (rerun the same command to resume)
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hsx regenerate", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Regenerate the assistant turns of a chat dataset with the target model.")
+    p.add_argument("--server", action="append", dest="servers", metavar="URL",
+                   help="hsx serve, or any OpenAI-compatible server returning token ids (vllm serve); repeat for several "
+                        "(env HSX_SERVER, comma-separated)")
+    p.add_argument("--input", action="append", dest="inputs", required=True, metavar="FILE",
+                   help="the inputs hsx extract reads (repeat for several)")
+    p.add_argument("--output", required=True, type=Path, metavar="PATH", help="chat JSONL to write")
+    p.add_argument("--max-tokens", type=int, metavar="N", help="tokens per generated turn at most (default: the "
+                                                                   "room left in the model's context)")
+    p.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, help="run seed: each conversation's seed is derived from it and the "
+                                           "conversation's key, so a resumed run samples the same replies")
+    p.add_argument("--chat-template-kwargs", type=json.loads, metavar="JSON",
+                   help='template switches, e.g. \'{"enable_thinking": true}\'')
+    p.add_argument("--stop-at-length", action="store_true",
+                   help="end a conversation at a turn cut by --max-tokens (default: go on; cut turns are flagged "
+                        "finish_reason=length and counted)")
+    p.add_argument("--model", help="model name sent with each request (needed by some OpenAI-compatible servers)")
+    p.add_argument("--shard", metavar="I/N", help="regenerate conversations j with j %% N == I only")
+    p.add_argument("--max-conversations", type=int, metavar="N", help="only the first N conversations")
+    p.add_argument("--concurrency-per-server", type=int, default=DEFAULTS.concurrency_per_server)
+    p.add_argument("--api-key", default=DEFAULTS.api_key, help="bearer token (env HSX_API_KEY)")
+    p.add_argument("--timeout", type=float, default=DEFAULTS.timeout)
+    p.add_argument("--max-attempts", type=int, default=DEFAULTS.max_attempts)
+    p.add_argument("--extract-to", type=Path, metavar="DIR",
+                   help="then run hsx extract on the output into DIR (arguments after -- go to hsx extract)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _shard(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    i, _, n = text.partition("/")
+    try:
+        index, count = int(i), int(n)
+    except ValueError:
+        raise SystemExit(f"hsx regenerate: --shard wants I/N, got {text!r}") from None
+    if not 0 <= index < count:
+        raise SystemExit(f"hsx regenerate: --shard {text}: I must be in 0..N-1")
+    return index, count
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extract_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extract_args = argv[:cut], argv[cut + 1:]
+    args = build_parser().parse_args(argv)
+    servers = args.servers or [s for s in os.environ.get("HSX_SERVER", "").split(",") if s.strip()]
+    if not servers:
+        print("hsx regenerate: give at least one --server URL (or HSX_SERVER)", file=sys.stderr)
+        return EXIT_REFUSED
+    try:
+        shard = _shard(args.shard)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_REFUSED
+    sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                        chat_template_kwargs=args.chat_template_kwargs, model=args.model,
+                        stop_at_length=args.stop_at_length)
+    cfg = RegenConfig(servers=servers, inputs=args.inputs, output=args.output, sampling=sampling,
+                      api_key=args.api_key, concurrency_per_server=args.concurrency_per_server, timeout=args.timeout,
+                      max_attempts=args.max_attempts, shard=shard, max_conversations=args.max_conversations,
+                      quiet=args.quiet)
+    try:
+        result = asyncio.run(run_regenerate(cfg))
+    except KeyboardInterrupt:
+        print("hsx regenerate: interrupted; rerun the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    s = result.summary
+    if args.json:
+        print(json.dumps({**s, "exit_code": result.exit_code}))
+    else:
+        if "error" in s:
+            print(f"hsx regenerate: {s['error']}", file=sys.stderr)
+        if "planned" in s:
+            print(f"hsx regenerate: {s['regenerated']} conversations regenerated ({s['done_before']} before), "
+                  f"{s['turns']} turns, {s['generated_tokens']} tokens at {s['generated_tokens_per_s']:.0f} tok/s; "
+                  f"{s['length_cut_turns']} turns cut by --max-tokens; {s['failed']} failed {s['failed_by_reason']}; "
+                  f"{s['bad_rows']} bad rows -> {s['output']}", file=sys.stderr)
+    if result.exit_code != 0 or args.extract_to is None:
+        return result.exit_code
+    from hsx_client.corpus.cli import extract_main
+
+    chained = ["--input", str(args.output), "--output", str(args.extract_to)]
+    for url in servers:
+        chained += ["--server", url]
+    if args.api_key:
+        chained += ["--api-key", args.api_key]
+    return extract_main(chained + extract_args)

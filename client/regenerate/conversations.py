@@ -1,0 +1,66 @@
+"""Input rows -> conversations to regenerate (the readers of hsx_client.corpus.inputs, one
+conversation per row, keyed `{name}:{n}` as extract keys its rows)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hsx_client.corpus import inputs as _in
+from hsx_client.corpus.inputs import BadRow
+
+
+@dataclass(frozen=True)
+class Conversation:
+    key: str
+    source: str
+    messages: list[dict[str, Any]]
+    tools: list[dict] | None = None
+
+
+def read_conversations(paths: list[str], bad_rows: list[BadRow]) -> list[Conversation]:
+    """Every usable row of `paths`, in input order. A row with no user turn, or a
+    pre-tokenized one (no turns to regenerate), goes to `bad_rows`."""
+    base = [p[3:] if p.startswith("hf:") else _in.os.path.basename(_in.os.path.normpath(p)) for p in paths]
+    clash = {b for b in base if base.count(b) > 1}
+    out: list[Conversation] = []
+    for spec, b in zip(paths, base):
+        name, rows = _in._open_source(spec)
+        if b in clash:
+            name = spec
+        for n, row, err in rows:
+            source = f"{spec}:{n}"
+            if err is not None:
+                bad_rows.append(BadRow(source, str(err), getattr(err, "kind", "invalid_json")))
+                continue
+            try:
+                msgs, tools = _messages(row)
+                if not any(m["role"] == "user" for m in msgs):
+                    raise _in._Bad("conversation has no user turn to answer", "no_user_turn")
+                out.append(Conversation(f"{name}:{n}", source, msgs, tools))
+            except _in._Bad as exc:
+                bad_rows.append(BadRow(source, str(exc), exc.kind))
+    return out
+
+
+def _messages(row: Any) -> tuple[list[dict], list | None]:
+    kind = _in._classify(row)
+    if kind == "openai":
+        return _in._openai_messages(row["messages"]), _in._parse_tools(row.get("tools"))
+    if kind == "sharegpt":
+        return _in._sharegpt_messages(row["conversations"], row.get("system")), _in._parse_tools(row.get("tools"))
+    if kind == "alpaca":
+        return _in._alpaca_messages(row), None
+    if kind in ("prompt", "text"):
+        text = row[kind]
+        if not isinstance(text, str) or not text.strip():
+            raise _in._Bad(f"'{kind}' must be a non-empty string")
+        return [{"role": "user", "content": text}], None
+    if kind == "mtbench_question":
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise _in._Bad("MT-Bench 'turns' must be a non-empty list of strings")
+        return [{"role": "user", "content": t} for t in turns], None
+    if kind == "pretokenized":
+        raise _in._Bad("pre-tokenized rows have no turns to regenerate", "pretokenized")
+    raise _in._Bad(f"{kind} rows cannot be regenerated (give the question file instead)", "unknown_shape")

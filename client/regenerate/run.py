@@ -1,0 +1,212 @@
+"""Drive `hsx regenerate`: conversations fanned out over HsxClient's servers (its least-loaded
+pick, retries, health probes, auth), each finished one journaled, then the output file.
+
+Exit codes are `hsx extract`'s: 0 complete; 1 failed conversations (or stopped on an
+error: rerun to resume, finished ones are kept); 2 refused before any work (usage, no
+usable rows, plan mismatch, locked, an endpoint without token ids); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hsx import __version__ as hsx_version
+from hsx_client.api import HsxClient
+from hsx_client.errors import HsxError
+from hsx_client.corpus.inputs import BadRow
+
+from .conversations import Conversation, read_conversations
+from .journal import Journal
+from .turns import ContextFull, NoTokenIds, Sampling, regenerate
+
+EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+@dataclass
+class RegenConfig:
+    servers: list[str]
+    inputs: list[str]
+    output: Path
+    sampling: Sampling
+    api_key: str | None = None
+    concurrency_per_server: int = 8
+    timeout: float = 600.0
+    max_attempts: int = 5
+    shard: tuple[int, int] | None = None  # (index, count): conversation j goes to shard j % count
+    max_conversations: int | None = None
+    quiet: bool = False
+
+
+@dataclass
+class RegenResult:
+    exit_code: int
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def plan_of(cfg: RegenConfig, conversations: list[Conversation]) -> dict[str, Any]:
+    s = cfg.sampling
+    return {
+        "inputs": cfg.inputs,
+        "keys": [c.key for c in conversations],
+        "sampling": {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
+                     "chat_template_kwargs": s.chat_template_kwargs, "model": s.model,
+                     "stop_at_length": s.stop_at_length},
+        "shard": list(cfg.shard) if cfg.shard else None,
+    }
+
+
+def select(conversations: list[Conversation], cfg: RegenConfig) -> list[Conversation]:
+    if cfg.shard is not None:
+        i, n = cfg.shard
+        conversations = [c for j, c in enumerate(conversations) if j % n == i]
+    if cfg.max_conversations is not None:
+        conversations = conversations[: cfg.max_conversations]
+    return conversations
+
+
+async def run_regenerate(cfg: RegenConfig) -> RegenResult:
+    bad: list[BadRow] = []
+    try:
+        conversations = select(read_conversations(cfg.inputs, bad), cfg)
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        return RegenResult(EXIT_REFUSED, {"error": str(exc)})
+    if not conversations:
+        reasons = Counter(b.kind for b in bad)
+        return RegenResult(EXIT_REFUSED, {"error": f"no usable conversation in the inputs (bad rows: {dict(reasons)})",
+                                          "bad_rows": len(bad)})
+    journal = Journal(cfg.output)
+    try:
+        journal.open(plan_of(cfg, conversations))
+    except Exception as exc:  # locked, plan mismatch, not writable
+        journal.close()
+        return RegenResult(EXIT_REFUSED, {"error": str(exc)})
+    try:
+        return await _run(cfg, conversations, journal, bad)
+    finally:
+        journal.close()
+
+
+async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Journal,
+               bad: list[BadRow]) -> RegenResult:
+    todo = [c for c in conversations if c.key not in journal.done]
+    failures: Counter[str] = Counter()
+    errors: dict[str, str] = {}
+    stats = {"conversations": 0, "generated_tokens": 0, "turns": 0, "length_cut_turns": 0, "dropped": 0,
+             "ended": Counter()}
+    refused: list[BaseException] = []
+    started = time.monotonic()
+    bar = None
+    if not cfg.quiet and todo:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), unit="conv", desc="regenerate", dynamic_ncols=True, smoothing=0.05)
+    client = HsxClient(cfg.servers, api_key=cfg.api_key, concurrency_per_server=cfg.concurrency_per_server,
+                       timeout=cfg.timeout, max_attempts=cfg.max_attempts)
+    info = await _server_info(client)
+    slots = asyncio.Semaphore(cfg.concurrency_per_server * len(cfg.servers))
+
+    async def one(conv: Conversation) -> None:
+        async with slots:
+            if refused:
+                return
+            try:
+                out = await regenerate(conv.key, conv.messages, conv.tools, cfg.sampling,
+                                       lambda body: client.chat_completion(body, request_id=None))
+            except NoTokenIds as exc:
+                refused.append(exc)
+                return
+            except ContextFull:
+                journal.record(conv.key, None)  # dropped for good: a rerun does not try it again
+                stats["dropped"] += 1
+                return
+            except HsxError as exc:
+                failures[exc.type or type(exc).__name__] += 1
+                errors.setdefault(conv.key, str(exc))
+                return
+            row: dict[str, Any] = {"messages": out.messages}
+            if conv.tools:
+                row["tools"] = conv.tools
+            row["hsx_turns"] = out.turns
+            row["hsx_regenerated"] = {"key": conv.key, "source": conv.source, "ended": out.ended,
+                                      "seed": cfg.sampling.conversation_seed(conv.key)}
+            journal.record(conv.key, row)
+            stats["conversations"] += 1
+            stats["turns"] += len(out.turns)
+            stats["generated_tokens"] += out.generated_tokens
+            stats["length_cut_turns"] += sum(t["finish_reason"] == "length" for t in out.turns)
+            stats["ended"][out.ended] += 1
+            if bar is not None:
+                rate = stats["generated_tokens"] / max(1e-9, time.monotonic() - started)
+                bar.set_postfix_str(f"gen {rate:,.0f} tok/s, failed {sum(failures.values())}", refresh=False)
+                bar.update(1)
+
+    interrupted = False
+    try:
+        async with client:
+            await asyncio.gather(*(one(c) for c in todo))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        interrupted = True
+    finally:
+        if bar is not None:
+            bar.close()
+    elapsed = time.monotonic() - started
+    keys = [c.key for c in conversations]
+    manifest = {
+        "what": "hsx regenerate",
+        "inputs": cfg.inputs,
+        "sampling": plan_of(cfg, conversations)["sampling"],
+        "model": info.get("model"),
+        "model_revision": info.get("model_revision"),
+        "vllm_version": info.get("vllm_version"),
+        "hsx_version": hsx_version,
+        "server_hsx_version": info.get("hsx_version"),
+        "planned": len(keys),
+        "complete": all(k in journal.done for k in keys),
+    }
+    if not interrupted:
+        manifest = journal.write_output(keys, manifest)
+    summary = {
+        "output": str(cfg.output),
+        "planned": len(keys),
+        "done_before": len(keys) - len(todo),
+        "regenerated": stats["conversations"],
+        "turns": stats["turns"],
+        "generated_tokens": stats["generated_tokens"],
+        "generated_tokens_per_s": stats["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
+        "length_cut_turns": stats["length_cut_turns"],
+        "ended": dict(stats["ended"]),
+        # (this run's and earlier runs': a dropped conversation is journaled as None)
+        "dropped_context_full": sum(1 for k in keys if k in journal.done and journal.done[k] is None),
+        "failed": sum(failures.values()),
+        "failed_by_reason": dict(failures),
+        "failed_examples": dict(list(errors.items())[:5]),
+        "bad_rows": len(bad),
+        "bad_rows_by_kind": dict(Counter(b.kind for b in bad)),
+        "elapsed_s": elapsed,
+        "complete": manifest["complete"],
+    }
+    if refused:
+        summary["error"] = str(refused[0])
+        return RegenResult(EXIT_REFUSED, summary)
+    if interrupted:
+        return RegenResult(EXIT_INTERRUPTED, summary)
+    return RegenResult(EXIT_OK if manifest["complete"] else EXIT_FAILED, summary)
+
+
+async def _server_info(client: HsxClient) -> dict[str, Any]:
+    """hsx serve's /info (model, revision, versions) for the provenance; another
+    OpenAI-compatible server has none: its /v1/models names the model."""
+    try:
+        return await client.info()
+    except HsxError:
+        pass
+    try:
+        models = await client._pool.with_retries(lambda s, rid: client._get_json(s, "/v1/models", rid), None)
+        return {"model": (models.get("data") or [{}])[0].get("id")}
+    except HsxError:
+        return {}

@@ -1,0 +1,239 @@
+"""POST /v1/chat/completions: generation on the embedded engine (an OpenAI-compatible subset).
+
+So one `hsx serve` deployment can both regenerate a chat corpus with the target
+(`hsx regenerate`) and extract its hidden states. Non-streaming, n=1. The answer carries
+the token ids as vLLM's own `return_token_ids` does (`prompt_token_ids` at the top,
+`token_ids` in the choice), so a client never re-tokenizes generated text. Same guard as
+/hidden_states: API key, body limits, the admission gate (prompt plus max_tokens count
+against --max-queued-tokens), errors as {"error": {type, message}}.
+
+Reasoning: `hsx serve --reasoning-parser NAME` is vLLM's own engine flag; with it, the
+reply's text is split into `reasoning_content` and `content` by vLLM's parser of that name,
+the way `vllm serve` splits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+from hsx_service.engine import vllm_compat
+from hsx_service.http.disconnect import race_client
+from hsx_service.http.errors import BadInput, Draining, EngineFailure, EngineTimeout, NotAvailable, NotReady, StartupError
+from hsx_service.http.schema import ChatMessage, ErrorResponse, check_template_kwargs
+
+log = logging.getLogger("hsx.generation")
+
+ROUTE = "/v1/chat/completions"
+
+
+class ChatCompletionRequest(BaseModel):
+    """The subset hsx serves; any other field is refused (422), never silently ignored.
+    No top_k: on vLLM's CPU backend a top_k request under hsx's speculative config (the
+    rejection sampler) stopped the engine (tests/test_service_schemathesis.py found it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="Must name the served model when given")
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most (default: up to max_model_len)")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: StrictInt | None = None
+    n: Literal[1] = 1
+    stop: str | list[str] | None = None
+    stream: Literal[False] = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_ids: bool | None = Field(None, description="Accepted for vLLM compatibility; ids always come back")
+    skip_special_tokens: bool = True
+    id: str | None = Field(None, max_length=256, description="The caller's id, echoed as caller_id")
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> "ChatCompletionRequest":
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("give max_tokens or max_completion_tokens, not two different values")
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            raise ValueError("at most 16 stop strings")
+        return self
+
+
+class ReasoningSplitter:
+    """vLLM's reasoning parser of the engine's --reasoning-parser, on the engine's tokenizer."""
+
+    def __init__(self, name: str, tokenizer: Any) -> None:
+        from vllm.reasoning import ReasoningParserManager
+
+        try:
+            cls = ReasoningParserManager.get_reasoning_parser(name)
+        except Exception as exc:
+            raise StartupError(f"--reasoning-parser {name!r}: {exc}") from exc
+        try:
+            self.parser = cls(tokenizer)
+        except Exception as exc:  # e.g. the model's vocabulary has no <think> token
+            raise StartupError(f"--reasoning-parser {name!r} cannot parse this model's output: {exc}") from exc
+        self.name = name
+
+    def split(self, text: str, body: ChatCompletionRequest) -> tuple[str | None, str | None]:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as VllmRequest
+
+        request = VllmRequest(model=body.model or "hsx", messages=[],
+                              chat_template_kwargs=body.chat_template_kwargs)
+        return self.parser.extract_reasoning(text, request)
+
+
+def reasoning_splitter(prefill: Any) -> ReasoningSplitter | None:
+    """The splitter for the engine's --reasoning-parser, or None when it has none."""
+    config = getattr(prefill.vllm_config, "structured_outputs_config", None)
+    name = getattr(config, "reasoning_parser", None)
+    if not name:
+        return None
+    return ReasoningSplitter(name, prefill.engine.tokenizer)
+
+
+def sampling_params(body: ChatCompletionRequest, prompt_tokens: int, max_model_len: int) -> Any:
+    from vllm import SamplingParams
+
+    room = max_model_len - prompt_tokens
+    if room < 1:
+        raise BadInput(f"the prompt has {prompt_tokens} tokens, leaving no room to generate "
+                       f"within max_model_len {max_model_len}")
+    asked = body.max_tokens or body.max_completion_tokens
+    if asked is not None and asked > room:
+        raise BadInput(f"max_tokens {asked} + the prompt's {prompt_tokens} tokens exceed max_model_len "
+                       f"{max_model_len}; ask for at most {room}")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    seed = body.seed if body.temperature > 0 else None  # greedy: a seed changes nothing
+    if seed is not None and vllm_compat.is_cpu_backend():
+        # vLLM's CPU worker rewinds a seeded request's generator after a chunked prefill
+        # step with Generator.set_offset, which CPU generators lack: the engine dies.
+        raise BadInput("seed is not available on vLLM's CPU backend (a seeded request whose prefill is "
+                       "chunked stops its engine); leave seed out, or use temperature 0 for a reproducible reply")
+    try:
+        return SamplingParams(
+            max_tokens=asked or room, temperature=body.temperature, top_p=body.top_p,
+            seed=seed, stop=stop or None,
+            skip_special_tokens=body.skip_special_tokens, n=1,
+        )
+    except ValueError as exc:  # vLLM's own checks of the sampling values
+        raise BadInput(f"vLLM refused the sampling parameters: {exc}") from None
+
+
+class Generator:
+    """One chat completion on the prefill engine's AsyncLLM (never with hsx's capture params, so
+    the connector copies nothing for it)."""
+
+    def __init__(self, st: Any) -> None:
+        self.st = st
+        self.splitter = reasoning_splitter(st.prefill)
+
+    async def complete(self, body: ChatCompletionRequest, request_id: str, ticket: Any) -> dict:
+        st = self.st
+        service, facts = st.service, st.prefill.facts
+        if body.model is not None and body.model not in (facts.served_model_name, facts.model):
+            raise BadInput(f"model {body.model!r} is not served here; this server serves {facts.served_model_name!r}")
+        if len(body.messages) > st.settings.max_messages:
+            raise BadInput(f"{len(body.messages)} messages; this server takes at most {st.settings.max_messages}")
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        enc = await service.tokenizer.encode("generation", messages, body.tools, None, body.chat_template_kwargs)
+        prompt = enc.token_ids
+        if not prompt:
+            raise BadInput("the chat renders to zero tokens")
+        params = sampling_params(body, len(prompt), facts.max_model_len)
+        ticket.admit(len(prompt) + params.max_tokens)
+        final = await self._generate(prompt, params, request_id)
+        out = final.outputs[0]
+        text = out.text
+        reasoning = None
+        if self.splitter is not None:
+            reasoning, text = self.splitter.split(text, body)
+        completion_ids = list(out.token_ids)
+        return {
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": facts.served_model_name,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "reasoning_content": reasoning},
+                "finish_reason": out.finish_reason or "stop",
+                "stop_reason": out.stop_reason if isinstance(out.stop_reason, (str, int)) else None,
+                "token_ids": completion_ids,
+            }],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion_ids),
+                      "total_tokens": len(prompt) + len(completion_ids)},
+            "prompt_token_ids": prompt,
+            "caller_id": body.id or "",
+        }
+
+    async def _generate(self, prompt: list[int], params: Any, request_id: str) -> Any:
+        from vllm.inputs import TokensPrompt
+
+        engine = self.st.prefill.engine
+        # The engine request gets an id of its own: the caller's X-Request-Id may repeat.
+        engine_id = f"gen-{request_id}-{uuid.uuid4().hex[:8]}"
+        final = None
+
+        async def run() -> None:
+            nonlocal final
+            async for output in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, engine_id):
+                final = output
+
+        task = asyncio.get_running_loop().create_task(run())
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.st.settings.request_timeout)
+        except BaseException as exc:
+            if not task.done():
+                try:
+                    await asyncio.shield(engine.abort(engine_id))
+                except Exception:
+                    log.debug("abort of %s failed", engine_id, exc_info=True)
+                task.cancel()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise EngineTimeout(f"the engine did not finish within {self.st.settings.request_timeout:.0f}s") from exc
+            if isinstance(exc, ValueError):
+                raise BadInput(f"vLLM refused the input: {exc}") from exc
+            if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
+                raise EngineFailure("the engine failed while serving this request") from exc
+            raise
+        if final is None or not final.finished:
+            raise EngineFailure("the engine ended the request without a finished output")
+        return final
+
+
+def router() -> APIRouter:
+    api = APIRouter()
+    errors = {code: {"model": ErrorResponse} for code in (400, 401, 413, 415, 422, 500, 503, 504)}
+
+    @api.post(ROUTE, summary="Generate one assistant reply (OpenAI-compatible subset, token ids included)",
+              responses=errors)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        st = request.app.state.hsx
+        if st.service is None:
+            raise NotReady("the engine is still loading; retry shortly", retry_after=5, reason="loading")
+        gen = getattr(st, "generator", None)
+        if gen is None:
+            raise NotAvailable("generation is not served by this process")
+        work = asyncio.ensure_future(gen.complete(body, request.state.request_id, request.state.ticket))
+        # The one owner of the client-leaving race (http/disconnect.py): cancelling the work
+        # aborts the engine request.
+        (await race_client(work, request.receive, st.cut_off.wait())).cancel()
+        if not work.done():
+            work.cancel()
+            if st.cut_off.is_set():
+                raise Draining("the server shut down before this request finished (--shutdown-timeout)",
+                               retry_after=5, reason="cut_off")
+            return Response(status_code=499)  # the client left
+        return work.result()
+
+    return api
