@@ -193,8 +193,9 @@ def plot(report: dict, path: Path) -> str | None:
     ax1.set(xlabel="step", ylabel="train loss_0", title="draft training loss")
     ax2.set(xlabel="draft position", ylabel="acceptance rate", title="EAGLE-3 acceptance (held-out prompts)",
             ylim=(0, 1))
-    ax1.legend(fontsize=7)
-    ax2.legend(fontsize=7)
+    for ax in (ax1, ax2):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle(report["label"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

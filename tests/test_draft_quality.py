@@ -96,6 +96,7 @@ def test_hsx_offline_and_online_drafts_train_alike_on_cpu(e2e_pool, tmp_path):
     rc = draft_quality.main([
         "--server", server.url, "--no-acceptance", "--runs", "offline,online", "--device", "cpu",
         "--train-chats", "20", "--heldout", "1", "--steps", str(steps), "--seeds", "0", "--total-seq-len", "512",
+        "--num-workers", "0",  # no spawned DataLoader workers to start (test_speculators_online has them)
         "--train-arg=--lr=3e-3", "--workdir", str(tmp_path / "work"), "--out", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
