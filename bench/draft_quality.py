@@ -210,8 +210,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=SHARED / "models" / "stories260K", help="the target")
     p.add_argument("--chats", type=Path, default=SHARED / "chat" / "oasst" / "threads.messages.jsonl")
     p.add_argument("--template", type=Path, default=SHARED / "chat_templates" / "llama3.jinja")
-    p.add_argument("--regenerated", type=Path, help="issue 28's regenerated chats (the same chats, the target's "
-                                                     "responses): adds the `regenerated` run")
+    p.add_argument("--regenerated", type=Path, help="issue 28's regenerated chats (the same chats in the same "
+                                                     "order, the target's responses): adds the `regenerated` run, "
+                                                     "trained on its first --train-chats lines")
     p.add_argument("--runs", default="offline,online,reference", help=f"which of {','.join(RUNS)}")
     p.add_argument("--layers", default="1,2,4,5", help="served layer ids; the last is the verifier's")
     p.add_argument("--dtype", default="float32")
@@ -307,8 +308,11 @@ def main(argv: list[str]) -> int:
                    "speculators", "--max-length", str(a.max_length), "--truncation", "left",
                    "--draft-vocab-size", str(a.draft_vocab_size)]
         wanted = [("offline", chats, []), ("online", chats, ["--states", "none"])]
-        if "regenerated" in a.runs:
-            wanted.append(("regenerated", a.regenerated, []))
+        if "regenerated" in a.runs:  # its first --train-chats lines: the held-out chats stay out of training
+            regen_lines, _ = split_chats(a.regenerated, a.train_chats, 0)
+            regen = work / "train-regenerated.jsonl"
+            regen.write_text("\n".join(regen_lines) + "\n")
+            wanted.append(("regenerated", regen, []))
         for name, src, extra in wanted:  # the token table is also the reference's
             if not (corpus[name] / "hsx_corpus.json").exists():
                 log(f"hsx extract: {corpus[name].name} ...")

@@ -82,6 +82,25 @@ def test_regenerated_run_needs_its_chats(tmp_path):
     assert a.runs == ["offline", "online", "reference", "regenerated"]
 
 
+@pytest.mark.slow  # importing datasets takes seconds
+def test_epochs_are_just_enough_for_the_steps(tmp_path):
+    """speculators' --max-steps ends only the epoch it is reached in; each later epoch runs a step."""
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"seq_len": [100] * 40}).save_to_disk(str(tmp_path / "t"))
+    # 40 x 100 tokens, 95 % for training: at least 7 packed batches of 512 tokens per epoch
+    assert [draft_quality.epochs_for(tmp_path / "t", k, 512, 0.95) for k in (1, 7, 8, 20)] == [1, 1, 2, 3]
+
+
+@pytest.mark.slow  # importing matplotlib takes seconds (where it is installed)
+def test_plot_draws_both_panels(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = {"loss_curve": [{"loss_0": 5.0}, {"loss_0": 4.0}],
+           "acceptance": {"mean_acceptance_length": 1.5, "acceptance_rate_per_position": [0.4, 0.1]}}
+    report = {"label": "t", "runs": {"offline": {"0": run}}, "summary": draft_quality.summarize({"offline": {0: run}})}
+    assert draft_quality.plot(report, tmp_path / "p.png") is None
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # ----------------------------------------------------------------------------- the training half, real
 
 
