@@ -148,6 +148,31 @@ def engine_child(what: str, cfg: dict, work: Path, env: dict, timeout: float) ->
 # ----------------------------------------------------------------------------- report
 
 
+def compare_states(a: Path, b: Path) -> dict[str, Any]:
+    """hsx's corpus against the reference's, file by file, as speculators' file backend reads
+    them: how many rows are bit-equal, and the largest difference (absolute, and relative to
+    the row's largest state)."""
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(p.name for p in (a / "hidden_states").glob("hs_*.safetensors"))
+    equal, worst_abs, worst_rel, missing = 0, 0.0, 0.0, 0
+    for name in files:
+        if not (b / "hidden_states" / name).exists():
+            missing += 1
+            continue
+        x, y = load_file(str(a / "hidden_states" / name)), load_file(str(b / "hidden_states" / name))
+        if not torch.equal(x["token_ids"], y["token_ids"]):
+            raise SystemExit(f"{name}: the token ids of hsx's and the reference's rows differ")
+        hx, hy = x["hidden_states"].float(), y["hidden_states"].float()
+        equal += bool(torch.equal(hx, hy))
+        d = (hx - hy).abs().max().item()
+        worst_abs, worst_rel = max(worst_abs, d), max(worst_rel, d / max(hy.abs().max().item(), 1e-30))
+    return {"rows": len(files), "bit_equal_rows": equal, "missing_in_reference": missing,
+            "max_abs_diff": worst_abs, "max_rel_diff": worst_rel}
+
+
+
 def mean(xs: list[float]) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -278,10 +303,20 @@ def main(argv: list[str]) -> int:
         "device": a.device, "hardware": hardware(), "versions": versions(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": {},
     }
-    server = None if a.server else ServerProcess(str(a.model), "--layers", a.layers, "--chat-template",
+    wanted = [(n, chats, x) for n, x in (("offline", []), ("online", ["--states", "none"]))
+              if n in a.runs or (n == "online" and "reference" in a.runs)]
+    if "regenerated" in a.runs:  # its first --train-chats lines: the held-out chats stay out of training
+        regen_lines, _ = split_chats(a.regenerated, a.train_chats, 0)
+        regen = work / "train-regenerated.jsonl"
+        regen.write_text("\n".join(regen_lines) + "\n")
+        wanted.append(("regenerated", regen, []))
+    wanted = [w for w in wanted if not (corpus[w[0]] / "hsx_corpus.json").exists()]  # a rerun keeps corpora
+    online_done = all((work / f"train-online-s{seed}.json").exists() for seed in a.seeds)
+    need_server = bool(wanted) or ("online" in a.runs and not online_done)
+    server = None if a.server or not need_server else ServerProcess(str(a.model), "--layers", a.layers, "--chat-template",
                                                  str(a.template), *engine_flags, *a.server_arg,
                                                  log_path=work / "serve.log", env=env)
-    url = a.server or server.url
+    url = a.server or (server.url if server else None)
     trained: dict[str, dict[int, dict]] = {}
 
     def train(name: str, backend: list[str]) -> None:
@@ -307,19 +342,12 @@ def main(argv: list[str]) -> int:
         extract = [sys.executable, "-m", "hsx.cli", "extract", "--server", url, "--quiet", "--format",
                    "speculators", "--max-length", str(a.max_length), "--truncation", "left",
                    "--draft-vocab-size", str(a.draft_vocab_size)]
-        wanted = [("offline", chats, []), ("online", chats, ["--states", "none"])]
-        if "regenerated" in a.runs:  # its first --train-chats lines: the held-out chats stay out of training
-            regen_lines, _ = split_chats(a.regenerated, a.train_chats, 0)
-            regen = work / "train-regenerated.jsonl"
-            regen.write_text("\n".join(regen_lines) + "\n")
-            wanted.append(("regenerated", regen, []))
         for name, src, extra in wanted:  # the token table is also the reference's
-            if not (corpus[name] / "hsx_corpus.json").exists():
-                log(f"hsx extract: {corpus[name].name} ...")
-                t = time.monotonic()
-                run_logged([*extract, "--input", str(src), "--output", str(corpus[name]), *extra],
-                           work / f"extract-{name}.log", env)
-                timings[f"extract_{name}_s"] = time.monotonic() - t
+            log(f"hsx extract: {corpus[name].name} ...")
+            t = time.monotonic()
+            run_logged([*extract, "--input", str(src), "--output", str(corpus[name]), *extra],
+                       work / f"extract-{name}.log", env)
+            timings[f"extract_{name}_s"] = time.monotonic() - t
         if "online" in a.runs:
             train("online", ["--hidden-states-backend", "hsx", "--hsx-servers", url])
     finally:
@@ -336,6 +364,8 @@ def main(argv: list[str]) -> int:
                                    "out": str(tmp)}, work, env, 3600)
         timings["extract_reference_s"] = time.monotonic() - t
         tmp.rename(corpus["reference"])
+    if "offline" in a.runs and "reference" in a.runs:
+        report["states_offline_vs_reference"] = compare_states(corpus["offline"], corpus["reference"])
     for name in a.runs:
         if name != "online":
             train(name, [])
