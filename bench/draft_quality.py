@@ -277,7 +277,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from hsx.bench.common import child_env, ensure_packages, hardware, versions
+    from importlib import metadata
+
+    from hsx.bench.common import child_env, ensure_packages, hardware, versions_light
     from hsx.server_process import ServerProcess
 
     work = a.workdir.resolve()
@@ -289,7 +291,8 @@ def main(argv: list[str]) -> int:
     chats = work / "train-chats.jsonl"
     chats.write_text("\n".join(train_lines) + "\n")
     max_len = json.loads((a.model / "config.json").read_text()).get("max_position_embeddings", 4096)
-    prompts = prompt_ids(a.model, a.template, heldout, max_len - a.max_tokens - a.num_speculative_tokens - 1)
+    prompts = [] if a.no_acceptance else prompt_ids(a.model, a.template, heldout,
+                                                    max_len - a.max_tokens - a.num_speculative_tokens - 1)
     engine_flags = ["--dtype", a.dtype, *a.engine_arg]
     corpus = {"offline": work / "corpus-offline", "online": work / "corpus-tokens",
               "reference": work / "corpus-reference", "regenerated": work / "corpus-regenerated"}
@@ -300,7 +303,8 @@ def main(argv: list[str]) -> int:
         "heldout_prompts": len(prompts), "max_tokens": a.max_tokens, "layers": a.layers, "dtype": a.dtype,
         "steps": a.steps, "seeds": a.seeds, "total_seq_len": a.total_seq_len,
         "draft_vocab_size": a.draft_vocab_size, "num_speculative_tokens": a.num_speculative_tokens,
-        "device": a.device, "hardware": hardware(), "versions": versions(),
+        "device": a.device, "hardware": hardware(),
+        "versions": {**versions_light(), **{d: metadata.version(d) for d in ("speculators", "transformers")}},
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": {},
     }
     wanted = [(n, chats, x) for n, x in (("offline", []), ("online", ["--states", "none"]))
