@@ -230,6 +230,15 @@ def plot(report: dict, path: Path) -> str | None:
 # ----------------------------------------------------------------------------- the driver
 
 
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=SHARED / "models" / "stories260K", help="the target")
@@ -277,8 +286,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from importlib import metadata
-
     from hsx.bench.common import child_env, ensure_packages, hardware, versions_light
     from hsx.server_process import ServerProcess
 
@@ -304,7 +311,7 @@ def main(argv: list[str]) -> int:
         "steps": a.steps, "seeds": a.seeds, "total_seq_len": a.total_seq_len,
         "draft_vocab_size": a.draft_vocab_size, "num_speculative_tokens": a.num_speculative_tokens,
         "device": a.device, "hardware": hardware(),
-        "versions": {**versions_light(), **{d: metadata.version(d) for d in ("speculators", "transformers")}},
+        "versions": {**versions_light(), **{d: _version(d) for d in ("speculators", "hs-connectors", "transformers")}},
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": {},
     }
     wanted = [(n, chats, x) for n, x in (("offline", []), ("online", ["--states", "none"]))
