@@ -343,6 +343,9 @@ def main(argv: list[str]) -> int:
                                    *train_argv(a, corpus[name], save, seed, backend)],
                                   work / f"train-{name}-s{seed}.log", env)
                 curve = loss_curve(text)
+                if (save / "interrupted").exists() or len(curve) < a.steps:  # a SIGTERM'd trainer exits 0
+                    raise SystemExit(f"training {name} seed {seed} stopped after {len(curve)} of {a.steps} steps "
+                                     f"(interrupted?): see {work / f'train-{name}-s{seed}.log'}")
                 done.write_text(json.dumps({"steps_done": len(curve), "loss_curve": curve,
                                             "train_s": time.monotonic() - t, "draft": str(last_checkpoint(save))}))
             trained.setdefault(name, {})[seed] = json.loads(done.read_text())
