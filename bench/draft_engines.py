@@ -57,8 +57,9 @@ def reference(cfg: dict) -> None:
     rows = [list(r) for r in table["input_ids"]]
     kw = _engine_kwargs(cfg)
     staging = tempfile.mkdtemp(prefix="hsx-draftq-ref-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    aux = {"eagle_aux_hidden_state_layer_ids": cfg["layers"]}
     kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": cfg["layers"]}}}
+                                "draft_model_config": {"hf_config": aux}}
     kw["kv_transfer_config"] = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
                                 "kv_connector_extra_config": {"shared_storage_path": staging}}
     if current_platform.is_cpu():  # the stock connector needs CUDA; hsx bench's CPU twin copies synchronously

@@ -103,7 +103,8 @@ def loss_curve(train_log: str) -> list[dict[str, float]]:
 
 
 def last_checkpoint(save: Path) -> Path:
-    """speculators saves one numbered directory per epoch (weights only in the ones it keeps); the highest is the trained draft."""
+    """speculators saves one numbered directory per epoch (weights only in the ones it
+    keeps); the highest is the trained draft."""
     dirs = [d for d in save.iterdir() if d.is_dir() and d.name.isdigit() and (d / "model.safetensors").exists()]
     if not dirs:
         raise SystemExit(f"{save}: no checkpoint with its weights (model.safetensors)")
@@ -240,7 +241,8 @@ def _version(dist: str) -> str | None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=SHARED / "models" / "stories260K", help="the target")
     p.add_argument("--chats", type=Path, default=SHARED / "chat" / "oasst" / "threads.messages.jsonl")
     p.add_argument("--template", type=Path, default=SHARED / "chat_templates" / "llama3.jinja")
@@ -324,9 +326,10 @@ def main(argv: list[str]) -> int:
     wanted = [w for w in wanted if not (corpus[w[0]] / "hsx_corpus.json").exists()]  # a rerun keeps corpora
     online_done = all((work / f"train-online-s{seed}.json").exists() for seed in a.seeds)
     need_server = bool(wanted) or ("online" in a.runs and not online_done)
-    server = None if a.server or not need_server else ServerProcess(str(a.model), "--layers", a.layers, "--chat-template",
-                                                 str(a.template), *engine_flags, *a.server_arg,
-                                                 log_path=work / "serve.log", env=env)
+    server = None
+    if need_server and not a.server:
+        server = ServerProcess(str(a.model), "--layers", a.layers, "--chat-template", str(a.template), *engine_flags,
+                               *a.server_arg, log_path=work / "serve.log", env=env)
     url = a.server or (server.url if server else None)
     trained: dict[str, dict[int, dict]] = {}
 
