@@ -10,12 +10,14 @@
 #   bash tests/gpu/session.sh mla 0.26.0          # tiny DeepSeek-V3 and Kimi-K2.5 (MLA + MoE), bf16 and fp8, every layer
 #   bash tests/gpu/session.sh bench 0.33.0        # hsx bench --h200
 #   bash tests/gpu/session.sh mla|quant|bitequal 0.26.0   # issue 27: MLA, quantized, bit-equality vs vLLM's own path
+#   bash tests/gpu/session.sh draft 0.33.0        # issue 30: drafts trained on hsx vs reference data, acceptance
+#     (.whl/online and .whl/draft from tests/gpu/draft_wheels.sh carried by stash calls; DRAFT_ARGS adds flags)
 #   bash tests/gpu/session.sh bench17 0.33.0 preset|8b [WORKERS [HTTP_WORKERS]]   # issue 17's HTTP rows
 #     (MODES=c skips plain prefill; SERVER_ARGS="--zstd-frame-threads=2" adds hsx serve flags)
 # Results land in $OUT (check-*.json, bench-*.json, logs). Consecutive calls must follow within the
 # machine's 30 s warm time: /tmp (the stashed parts, the assembled kit) goes with the machine.
 set -euo pipefail
-step=${1:?usage: session.sh prepare|stash|check|extra|mla|bench|bench17 VERSION [PART | SHAPE WORKERS]}
+step=${1:?usage: session.sh prepare|stash|check|extra|mla|bench|draft|bench17 VERSION [PART | SHAPE WORKERS]}
 ver=${2:?vLLM version, e.g. 0.33.0}
 kit=.gpukit-$ver
 out=${OUT:-/tmp/out}
@@ -65,6 +67,9 @@ stash)
     mkdir -p /tmp/gpukit "$out"
     cp "$kit/p$k"/part* /tmp/gpukit/
     [ -d .gpufix ] && { rm -rf /tmp/gpufix; cp -r .gpufix /tmp/gpufix; }
+    for w in online draft; do  # the draft step's wheels (tests/gpu/draft_wheels.sh), carried beside any part
+        if [ -d ".whl/$w" ]; then mkdir -p /tmp/whl && rm -rf "/tmp/whl/$w" && cp -r ".whl/$w" /tmp/whl/; fi
+    done
     if [ "$k" = 0 ]; then  # the facts the kit's analysis assumes, read off this image
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
         python3 -m pip show torch triton nvidia-nccl-cu13 nvidia-cudnn-cu13 nvidia-cusparselt-cu13 nvidia-cublas \
@@ -155,6 +160,31 @@ bench)
     python3 -m hsx_tools.cli bench --h200 --modes a,c --transfer auto,http:none,http:bf16split,http:zstd "${remote_bench[@]}" \
         --out "$out/bench-h200-$ver.json" 2>&1 | tee "$out/bench-h200-$ver.log"
     ;;
+draft)
+    # Issue 30: the same EAGLE-3 draft trained by speculators on hsx's offline corpus, hsx's online
+    # backend and vLLM's own extract_hidden_states files, two seeds each, then served with the
+    # target (stories260K, the fixture chats) through vLLM's EAGLE-3 speculative decoding on
+    # held-out prompts (bench/draft_quality.py). Rerunnable: a second call continues in
+    # /tmp/draftq where the first ran out of time.
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    for w in online draft; do  # stashed by the stash calls that carried .whl/online and .whl/draft
+        if [ -d "/tmp/whl/$w" ] && [ ! -e "/tmp/site-$w/.done" ]; then
+            python3 -m pip install -q --no-deps --no-index --target "/tmp/site-$w" /tmp/whl/$w/*.whl
+            touch "/tmp/site-$w/.done"
+        fi
+    done
+    export PYTHONPATH=$PYTHONPATH:/tmp/site-online:/tmp/site-draft
+    fx=/tmp/gpufix
+    rc=0
+    # shellcheck disable=SC2086
+    python3 bench/draft_quality.py --model "$fx/stories260K" --chats "$fx/threads.messages.jsonl" \
+        --template "$fx/llama3.jinja" --workdir /tmp/draftq --engine-arg=--gpu-memory-utilization=0.3 \
+        --engine-arg=--enforce-eager --label "H200, vLLM $ver: stories260K, OASST threads" ${DRAFT_ARGS:-} \
+        --out "$out/draft-quality-h200-$ver.json" 2>&1 | tee "$out/draft-quality-h200-$ver.log" || rc=$?
+    cp /tmp/draftq/*.log "$out/" 2>/dev/null || true  # each step's own log, for a failure
+    exit $rc
+    ;;
 bench17)
     # Issue 17's rows: the remote path (identity and zstd) with `--workers N` client processes,
     # each against its own plain baseline (a); run once with WORKERS=1 for the ratio.
@@ -198,7 +228,7 @@ benchds)
         --out "$out/benchds-w$workers-$ver.json" 2>&1 | tee "$out/benchds-w$workers-$ver.log"
     ;;
 *)
-    echo "session.sh: unknown step $step (prepare, stash, check, extra, mla, quant, bitequal, bench, bench17, benchds)" >&2
+    echo "session.sh: unknown step $step (prepare, stash, check, extra, mla, quant, bitequal, bench, bench17, benchds, draft)" >&2
     exit 2
     ;;
 esac
