@@ -231,39 +231,24 @@ class HsxClient:
     async def tokenize(self, body: dict[str, Any], *, request_id: str | None = None) -> dict[str, Any]:
         """`POST /tokenize` with retries: the `token_ids` (and `loss_mask`) the server would
         prefill for this `/hidden_states` body, computed without the engine."""
-        payload = _json_body(body)
-
-        async def attempt(server: ServerState, rid: str) -> dict[str, Any]:
-            http = self._ensure_open()
-            headers = {"Content-Type": "application/json", "X-Request-Id": rid}
-            try:
-                resp = await http.post(server.url + "/tokenize", content=payload, headers=headers)
-            except httpx.HTTPError as exc:
-                raise self._wrap_transport_error(exc, server, rid) from exc
-            server.answered = True
-            if resp.status_code != 200:
-                raise error_from_response(resp.status_code, resp.content, resp.headers, server=server.url,
-                                          request_id=resp.headers.get("x-request-id") or rid)
-            try:
-                out = resp.json()
-                out["token_ids"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ServerError("/tokenize did not return token_ids", type="bad_response",
-                                  server=server.url, request_id=rid) from exc
-            return out
-
-        return await self._pool.with_retries(attempt, request_id)
+        return await self._post_json("/tokenize", body, request_id, lambda out: out["token_ids"],
+                                     "did not return token_ids")
 
     async def chat_completion(self, body: dict[str, Any], *, request_id: str | None = None) -> dict[str, Any]:
-        """`POST /v1/chat/completions` with retries (hsx serve's generation route, or any
-        OpenAI-compatible server such as `vllm serve`): the JSON answer as it came."""
+        """`POST /v1/chat/completions` with retries (hsx serve's, or any OpenAI-compatible server's)."""
+        return await self._post_json("/v1/chat/completions", body, request_id, lambda out: out["choices"][0],
+                                     "did not return a choice")
+
+    async def _post_json(self, path: str, body: dict[str, Any], request_id: str | None,
+                         check: Any, missing: str) -> dict[str, Any]:
+        """A JSON request and answer, with retries; `check(answer)` raises if it lacks a part."""
         payload = _json_body(body)
 
         async def attempt(server: ServerState, rid: str) -> dict[str, Any]:
             http = self._ensure_open()
             headers = {"Content-Type": "application/json", "X-Request-Id": rid}
             try:
-                resp = await http.post(server.url + "/v1/chat/completions", content=payload, headers=headers)
+                resp = await http.post(server.url + path, content=payload, headers=headers)
             except httpx.HTTPError as exc:
                 raise self._wrap_transport_error(exc, server, rid) from exc
             server.answered = True
@@ -272,10 +257,10 @@ class HsxClient:
                                           request_id=resp.headers.get("x-request-id") or rid)
             try:
                 out = resp.json()
-                out["choices"][0]
+                check(out)
             except (ValueError, KeyError, IndexError, TypeError) as exc:
-                raise ServerError("/v1/chat/completions did not return a choice", type="bad_response",
-                                  server=server.url, request_id=rid) from exc
+                raise ServerError(f"{path} {missing}", type="bad_response", server=server.url,
+                                  request_id=rid) from exc
             return out
 
         return await self._pool.with_retries(attempt, request_id)

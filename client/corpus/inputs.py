@@ -25,7 +25,9 @@ Row kinds, detected per row (first match wins):
     joined with the question of the same id when a question file is among `paths`; a
     question that no answer uses has no assistant turn and is a BadRow, as is an answer
     whose question was not given;
-  * plain `{"prompt": str}` or `{"text": str}` -> request `prompt`.
+  * plain `{"prompt": str}` or `{"text": str}` -> request `prompt`;
+  * `hsx regenerate`'s output (OpenAI rows with `hsx_turns`): the recorded token ids, never
+    re-tokenized (hsx_client.corpus.recorded).
 
 mask_policy (chat rows only):
   * "per_turn" (speculators): one Sample per assistant turn, holding the messages up to and
@@ -45,9 +47,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hsx_client.corpus.recorded import recorded_samples
+from hsx_client.corpus.rows import NO_ASSISTANT, QUESTION_ONLY, BadRow, RowProblem, Sample
 
 MASK_POLICIES = ("per_turn", "all_turns")
 
@@ -55,37 +59,6 @@ _USER_ROLES = {"human": "user", "user": "user"}
 _ASSISTANT_ROLES = {"gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                     "bard": "assistant", "bing": "assistant", "model": "assistant"}
 _OPENAI_ROLES = {"system", "developer", "user", "assistant", "tool", "function", "ipython"}
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One planned request: a stable `key`, a `source` for error reports, the JSON `request`."""
-
-    key: str
-    source: str
-    request: dict
-
-
-# BadRow kinds, for the summary's counts (the reason says the details).
-NO_ASSISTANT = "no_assistant_turn"
-QUESTION_ONLY = "question_only"
-
-
-@dataclass
-class BadRow:
-    """An input row that could not be used (`source` is file:line), and why."""
-
-    source: str
-    reason: str
-    kind: str = "malformed"  # malformed | invalid_json | not_utf8 | no_assistant_turn | question_only | unknown_shape
-
-
-class _Bad(Exception):
-    """A row-level problem: becomes a BadRow."""
-
-    def __init__(self, reason: str, kind: str = "malformed") -> None:
-        super().__init__(reason)
-        self.kind = kind
 
 
 # ----------------------------------------------------------------------------- sources
@@ -218,49 +191,49 @@ def _parse_tools(tools: Any) -> list | None:
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError as exc:
-            raise _Bad(f"'tools' is a string but not JSON: {exc.msg}") from exc
+            raise RowProblem(f"'tools' is a string but not JSON: {exc.msg}") from exc
         if tools in (None, [], ""):
             return None
     if isinstance(tools, dict):
         tools = [tools]
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise _Bad("'tools' must be a list of objects (or a JSON string of one)")
+        raise RowProblem("'tools' must be a list of objects (or a JSON string of one)")
     return tools
 
 
 def _openai_messages(raw: Any) -> list[dict]:
     if not isinstance(raw, list) or not raw:
-        raise _Bad("'messages' is empty or not a list")
+        raise RowProblem("'messages' is empty or not a list")
     out = []
     for j, m in enumerate(raw):
         if not isinstance(m, dict):
-            raise _Bad(f"message {j} is not an object")
+            raise RowProblem(f"message {j} is not an object")
         m = _drop_none(m)
         role = m.get("role")
         if role not in _OPENAI_ROLES:
-            raise _Bad(f"message {j} has unknown role {role!r}")
+            raise RowProblem(f"message {j} has unknown role {role!r}")
         content = m.get("content")
         if content is None and not m.get("tool_calls"):
-            raise _Bad(f"message {j} ({role}) has no content")
+            raise RowProblem(f"message {j} ({role}) has no content")
         if content is not None and not isinstance(content, (str, list)):
-            raise _Bad(f"message {j} content must be a string or a list of parts")
+            raise RowProblem(f"message {j} content must be a string or a list of parts")
         out.append(_with_reasoning(m, m))
     return out
 
 
 def _sharegpt_messages(raw: Any, system: Any) -> list[dict]:
     if not isinstance(raw, list) or not raw:
-        raise _Bad("'conversations' is empty or not a list")
+        raise RowProblem("'conversations' is empty or not a list")
     out = []
     if isinstance(system, str) and system:
         out.append({"role": "system", "content": system})
     for j, turn in enumerate(raw):
         if not isinstance(turn, dict):
-            raise _Bad(f"turn {j} is not an object")
+            raise RowProblem(f"turn {j} is not an object")
         who = turn.get("from", turn.get("role"))
         text = turn.get("value", turn.get("content"))
         if not isinstance(text, str):
-            raise _Bad(f"turn {j} has no text value")
+            raise RowProblem(f"turn {j} has no text value")
         if who in _USER_ROLES:
             role = "user"
         elif who in _ASSISTANT_ROLES or who == "function_call":
@@ -270,7 +243,7 @@ def _sharegpt_messages(raw: Any, system: Any) -> list[dict]:
         elif who in ("observation", "tool", "function"):
             role = "tool"
         else:
-            raise _Bad(f"turn {j} has unknown speaker {who!r}")
+            raise RowProblem(f"turn {j} has unknown speaker {who!r}")
         out.append(_with_reasoning({"role": role, "content": text}, turn) if role == "assistant" else
                    {"role": role, "content": text})
     return out
@@ -291,15 +264,15 @@ def _with_reasoning(msg: dict, raw: dict) -> dict:
 def _alpaca_messages(row: dict) -> list[dict]:
     instr, inp, output = row.get("instruction"), row.get("input"), row.get("output")
     if not isinstance(instr, str) or not isinstance(output, str) or (inp is not None and not isinstance(inp, str)):
-        raise _Bad("Alpaca row needs string 'instruction', 'output' (and 'input' when present)")
+        raise RowProblem("Alpaca row needs string 'instruction', 'output' (and 'input' when present)")
     if not (instr.strip() or (inp or "").strip()):
-        raise _Bad("Alpaca row has an empty instruction and input")
+        raise RowProblem("Alpaca row has an empty instruction and input")
     msgs: list[dict] = []
     if isinstance(row.get("system"), str) and row["system"]:
         msgs.append({"role": "system", "content": row["system"]})
     for pair in row.get("history") or []:
         if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-            raise _Bad("Alpaca 'history' must be a list of [user, assistant] pairs")
+            raise RowProblem("Alpaca 'history' must be a list of [user, assistant] pairs")
         msgs += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
     user = instr + ("\n\n" + inp if isinstance(inp, str) and inp else "")
     msgs += [{"role": "user", "content": user}, _with_reasoning({"role": "assistant", "content": output}, row)]
@@ -309,13 +282,13 @@ def _alpaca_messages(row: dict) -> list[dict]:
 def _pretokenized(row: dict) -> dict:
     ids, mask = row["input_ids"], row.get("loss_mask")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise _Bad("'input_ids' must be a non-empty list of non-negative integers")
+        raise RowProblem("'input_ids' must be a non-empty list of non-negative integers")
     req: dict = {"input_ids": ids}
     if mask is not None:
         if isinstance(mask, list) and all(isinstance(v, bool) for v in mask):
             mask = [int(v) for v in mask]
         if not isinstance(mask, list) or len(mask) != len(ids) or not all(v in (0, 1) for v in mask):
-            raise _Bad(f"'loss_mask' must be a 0/1 list as long as input_ids ({len(ids)})")
+            raise RowProblem(f"'loss_mask' must be a 0/1 list as long as input_ids ({len(ids)})")
         req["loss_mask"] = mask
     return req
 
@@ -324,7 +297,7 @@ def _chat_samples(name: str, n: int, source: str, msgs: list[dict], tools: list 
                   mask_policy: str) -> list[Sample]:
     turns = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
     if not turns:
-        raise _Bad("conversation has no assistant turn (nothing to supervise)", NO_ASSISTANT)
+        raise RowProblem("conversation has no assistant turn (nothing to supervise)", NO_ASSISTANT)
     extra = {"tools": tools} if tools else {}
     if mask_policy == "all_turns":
         body = {"messages": msgs[: turns[-1] + 1], **extra, "assistant_mask": "all"}
@@ -335,56 +308,12 @@ def _chat_samples(name: str, n: int, source: str, msgs: list[dict], tools: list 
     ]
 
 
-def _id_list(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)
-
-
-def _recorded_samples(name: str, n: int, source: str, turns: Any, mask_policy: str) -> list[Sample]:
-    """A row of `hsx regenerate`: its turns' recorded token ids, never re-tokenized. Each
-    turn's sample is its prompt ids followed by its generated ids, the generated ones
-    (exactly those) supervised. all_turns: the last turn's sample, with each earlier
-    turn's generated ids supervised too where they appear verbatim, in order, in its
-    prompt (a template that re-renders earlier turns, e.g. without their reasoning,
-    leaves those unsupervised: they are no longer the model's own tokens)."""
-    if not isinstance(turns, list) or not all(
-            isinstance(t, dict) and _id_list(t.get("prompt_token_ids")) and _id_list(t.get("token_ids")) for t in turns):
-        raise _Bad("'hsx_turns' must be a list of {prompt_token_ids, token_ids} integer lists")
-    turns = [t for t in turns if t["token_ids"] and t["prompt_token_ids"]]
-    if not turns:
-        raise _Bad("no regenerated turn holds generated tokens", NO_ASSISTANT)
-    if mask_policy == "per_turn":
-        return [Sample(f"{name}:{n}:t{k}", source,
-                       {"input_ids": t["prompt_token_ids"] + t["token_ids"],
-                        "loss_mask": [0] * len(t["prompt_token_ids"]) + [1] * len(t["token_ids"])})
-                for k, t in enumerate(turns, 1)]
-    last = turns[-1]
-    prompt = last["prompt_token_ids"]
-    mask = [0] * len(prompt)
-    at = 0
-    for t in turns[:-1]:
-        ids = t["token_ids"]
-        found = _find_run(prompt, ids, at)
-        if found >= 0:
-            mask[found:found + len(ids)] = [1] * len(ids)
-            at = found + len(ids)
-    return [Sample(f"{name}:{n}:all", source,
-                   {"input_ids": prompt + last["token_ids"], "loss_mask": mask + [1] * len(last["token_ids"])})]
-
-
-def _find_run(seq: list[int], run: list[int], start: int) -> int:
-    first, k = run[0], len(run)
-    for i in range(start, len(seq) - k + 1):
-        if seq[i] == first and seq[i:i + k] == run:
-            return i
-    return -1
-
-
 def _classify(row: Any) -> str:
     if not isinstance(row, dict):
-        raise _Bad(f"row is a {type(row).__name__}, not an object")
+        raise RowProblem(f"row is a {type(row).__name__}, not an object")
     present = {k for k, v in row.items() if v is not None}
     if not present:
-        raise _Bad("empty row")
+        raise RowProblem("empty row")
     if "input_ids" in present:
         return "pretokenized"
     if "messages" in present:
@@ -400,7 +329,7 @@ def _classify(row: Any) -> str:
     for k in ("prompt", "text"):
         if k in present:
             return k
-    raise _Bad(f"unknown row shape (keys: {sorted(row)[:12]})", "unknown_shape")
+    raise RowProblem(f"unknown row shape (keys: {sorted(row)[:12]})", "unknown_shape")
 
 
 # ----------------------------------------------------------------------------- planning
@@ -453,21 +382,21 @@ def read_samples(
                 elif kind in ("prompt", "text"):
                     text = row[kind]
                     if not isinstance(text, str) or not text.strip():
-                        raise _Bad(f"'{kind}' must be a non-empty string, got {type(text).__name__}"
+                        raise RowProblem(f"'{kind}' must be a non-empty string, got {type(text).__name__}"
                                    + (" (an OpenAssistant tree? use the flattened threads file)"
                                       if isinstance(text, dict) else ""))
                     samples.append(Sample(f"{name}:{n}", source, {"prompt": text}))
                 elif kind == "mtbench_question":
                     turns = row["turns"]
                     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-                        raise _Bad("MT-Bench 'turns' must be a non-empty list of strings")
+                        raise RowProblem("MT-Bench 'turns' must be a non-empty list of strings")
                     questions[row["question_id"]] = turns
                     q_sources[row["question_id"]] = source
                 elif kind == "mtbench_answer":
                     answers.append((name, n, source, row))
                 else:
                     if kind == "openai" and row.get("hsx_turns") is not None:  # hsx regenerate's output
-                        new = _recorded_samples(name, n, source, row["hsx_turns"], mask_policy)
+                        new = recorded_samples(name, n, source, row["hsx_turns"], mask_policy)
                         samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
                         continue
                     if kind == "openai":
@@ -479,7 +408,7 @@ def read_samples(
                         msgs, tools = _alpaca_messages(row), None
                     new = _chat_samples(name, n, source, msgs, tools, mask_policy)
                     samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
-            except _Bad as exc:
+            except RowProblem as exc:
                 bad.append(BadRow(source, str(exc), exc.kind))
 
     for name, n, source, row in answers:
@@ -489,12 +418,12 @@ def read_samples(
             qid = row["question_id"]
             choices = row["choices"]
             if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-                raise _Bad("MT-Bench 'choices' must be a non-empty list of objects")
+                raise RowProblem("MT-Bench 'choices' must be a non-empty list of objects")
             replies = choices[0].get("turns")
             if not isinstance(replies, list) or not replies or not all(isinstance(t, str) for t in replies):
-                raise _Bad("MT-Bench answer 'turns' must be a non-empty list of strings")
+                raise RowProblem("MT-Bench answer 'turns' must be a non-empty list of strings")
             if qid not in questions:
-                raise _Bad(f"MT-Bench answer for question_id {qid!r} without its question "
+                raise RowProblem(f"MT-Bench answer for question_id {qid!r} without its question "
                            f"(pass question.jsonl among the inputs)")
             q_used.add(qid)
             msgs: list[dict] = []
@@ -502,7 +431,7 @@ def read_samples(
                 msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
             new = _chat_samples(name, n, source, msgs, None, mask_policy)
             samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
-        except _Bad as exc:
+        except RowProblem as exc:
             bad.append(BadRow(source, str(exc), exc.kind))
     for qid, src in q_sources.items():
         if qid not in q_used and not full():  # (when stopped early, unused is not unusable)
