@@ -33,7 +33,7 @@ def kimi_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def kimi_server(kimi_model, log_dir):
-    from hsx_service import vllm_compat
+    from hsx_service.engine import vllm_compat
 
     need_vllm()
     if vllm_compat.is_cpu_backend() and importlib.util.find_spec("vllm.v1.attention.backends.mla.cpu_mla") is None:
