@@ -3,11 +3,13 @@ conversation per row, keyed `{name}:{n}` as extract keys its rows)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from hsx_client.corpus import inputs as _in
 from hsx_client.corpus.inputs import BadRow
+from hsx_client.corpus.rows import RowProblem
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class Conversation:
 def read_conversations(paths: list[str], bad_rows: list[BadRow]) -> list[Conversation]:
     """Every usable row of `paths`, in input order. A row with no user turn, or a
     pre-tokenized one (no turns to regenerate), goes to `bad_rows`."""
-    base = [p[3:] if p.startswith("hf:") else _in.os.path.basename(_in.os.path.normpath(p)) for p in paths]
+    base = [p[3:] if p.startswith("hf:") else os.path.basename(os.path.normpath(p)) for p in paths]
     clash = {b for b in base if base.count(b) > 1}
     out: list[Conversation] = []
     for spec, b in zip(paths, base):
@@ -36,9 +38,9 @@ def read_conversations(paths: list[str], bad_rows: list[BadRow]) -> list[Convers
             try:
                 msgs, tools = _messages(row)
                 if not any(m["role"] == "user" for m in msgs):
-                    raise _in._Bad("conversation has no user turn to answer", "no_user_turn")
+                    raise RowProblem("conversation has no user turn to answer", "no_user_turn")
                 out.append(Conversation(f"{name}:{n}", source, msgs, tools))
-            except _in._Bad as exc:
+            except RowProblem as exc:
                 bad_rows.append(BadRow(source, str(exc), exc.kind))
     return out
 
@@ -54,13 +56,13 @@ def _messages(row: Any) -> tuple[list[dict], list | None]:
     if kind in ("prompt", "text"):
         text = row[kind]
         if not isinstance(text, str) or not text.strip():
-            raise _in._Bad(f"'{kind}' must be a non-empty string")
+            raise RowProblem(f"'{kind}' must be a non-empty string")
         return [{"role": "user", "content": text}], None
     if kind == "mtbench_question":
         turns = row["turns"]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise _in._Bad("MT-Bench 'turns' must be a non-empty list of strings")
+            raise RowProblem("MT-Bench 'turns' must be a non-empty list of strings")
         return [{"role": "user", "content": t} for t in turns], None
     if kind == "pretokenized":
-        raise _in._Bad("pre-tokenized rows have no turns to regenerate", "pretokenized")
-    raise _in._Bad(f"{kind} rows cannot be regenerated (give the question file instead)", "unknown_shape")
+        raise RowProblem("pre-tokenized rows have no turns to regenerate", "pretokenized")
+    raise RowProblem(f"{kind} rows cannot be regenerated (give the question file instead)", "unknown_shape")
