@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from hsx_client.settings import DEFAULTS
+from hsx_client.settings import DEFAULTS, ClientSettings
 
 from .run import EXIT_INTERRUPTED, EXIT_REFUSED, RegenConfig, run_regenerate
 from .turns import Sampling
@@ -95,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                         chat_template_kwargs=args.chat_template_kwargs, model=args.model,
                         stop_at_length=args.stop_at_length)
-    cfg = RegenConfig(servers=servers, inputs=args.inputs, output=args.output, sampling=sampling,
-                      api_key=args.api_key, concurrency_per_server=args.concurrency_per_server, timeout=args.timeout,
-                      max_attempts=args.max_attempts, shard=shard, max_conversations=args.max_conversations,
-                      quiet=args.quiet)
+    client = ClientSettings.given(servers, api_key=args.api_key, concurrency_per_server=args.concurrency_per_server,
+                                  timeout=args.timeout, max_attempts=args.max_attempts)
+    cfg = RegenConfig(client=client, inputs=args.inputs, output=args.output, sampling=sampling, shard=shard,
+                      max_conversations=args.max_conversations, quiet=args.quiet)
     try:
         result = asyncio.run(run_regenerate(cfg))
     except KeyboardInterrupt:

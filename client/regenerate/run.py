@@ -17,6 +17,7 @@ from typing import Any
 
 from hsx import __version__ as hsx_version
 from hsx_client.api import HsxClient
+from hsx_client.settings import ClientSettings
 from hsx_client.errors import HsxError
 from hsx_client.corpus.inputs import BadRow
 
@@ -29,14 +30,10 @@ EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 @dataclass
 class RegenConfig:
-    servers: list[str]
+    client: ClientSettings  # the connection, passed whole (servers, key, limits)
     inputs: list[str]
     output: Path
     sampling: Sampling
-    api_key: str | None = None
-    concurrency_per_server: int = 8
-    timeout: float = 600.0
-    max_attempts: int = 5
     shard: tuple[int, int] | None = None  # (index, count): conversation j goes to shard j % count
     max_conversations: int | None = None
     quiet: bool = False
@@ -105,10 +102,9 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
         from tqdm import tqdm
 
         bar = tqdm(total=len(todo), unit="conv", desc="regenerate", dynamic_ncols=True, smoothing=0.05)
-    client = HsxClient(cfg.servers, api_key=cfg.api_key, concurrency_per_server=cfg.concurrency_per_server,
-                       timeout=cfg.timeout, max_attempts=cfg.max_attempts)
+    client = HsxClient.from_settings(cfg.client)
     info = await _server_info(client)
-    slots = asyncio.Semaphore(cfg.concurrency_per_server * len(cfg.servers))
+    slots = asyncio.Semaphore(cfg.client.concurrency_per_server * len(client.servers))
 
     async def one(conv: Conversation) -> None:
         async with slots:
