@@ -115,5 +115,10 @@ def accept(cfg: dict) -> None:
 
 
 if __name__ == "__main__":
-    what, path = sys.argv[1], sys.argv[2]
-    {"reference": reference, "accept": accept}[what](json.loads(Path(path).read_text()))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step", choices=["reference", "accept"])
+    parser.add_argument("config", type=Path, help="the step's JSON config, written by bench/draft_quality.py")
+    a = parser.parse_args()
+    {"reference": reference, "accept": accept}[a.step](json.loads(a.config.read_text()))

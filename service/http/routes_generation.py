@@ -49,7 +49,7 @@ class ChatCompletionRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: StrictInt | None = None
     n: Literal[1] = 1
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, description="Stop strings (none empty; at most 16)")
     stream: Literal[False] = False
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_ids: bool | None = Field(None, description="Accepted for vLLM compatibility; ids always come back")
@@ -65,6 +65,8 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("give max_tokens or max_completion_tokens, not two different values")
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise ValueError("at most 16 stop strings")
+        if self.stop == "" or (isinstance(self.stop, list) and "" in self.stop):
+            raise ValueError("stop strings must not be empty")
         return self
 
 
@@ -101,6 +103,16 @@ def reasoning_splitter(prefill: Any) -> ReasoningSplitter | None:
     return ReasoningSplitter(name, prefill.engine.tokenizer)
 
 
+def _vllm_refusals() -> tuple[type[Exception], ...]:
+    """What vLLM raises for a value it refuses: ValueError, and from 0.32 its
+    VLLMValidationError, which is not one."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMValidationError)
+
+
 def sampling_params(body: ChatCompletionRequest, prompt_tokens: int, max_model_len: int) -> Any:
     from vllm import SamplingParams
 
@@ -125,7 +137,7 @@ def sampling_params(body: ChatCompletionRequest, prompt_tokens: int, max_model_l
             seed=seed, stop=stop or None,
             skip_special_tokens=body.skip_special_tokens, n=1,
         )
-    except ValueError as exc:  # vLLM's own checks of the sampling values
+    except _vllm_refusals() as exc:  # vLLM's own checks of the sampling values
         raise BadInput(f"vLLM refused the sampling parameters: {exc}") from None
 
 
@@ -201,7 +213,7 @@ class Generator:
                 task.cancel()
             if isinstance(exc, asyncio.TimeoutError):
                 raise EngineTimeout(f"the engine did not finish within {self.st.settings.request_timeout:.0f}s") from exc
-            if isinstance(exc, ValueError):
+            if isinstance(exc, _vllm_refusals()):
                 raise BadInput(f"vLLM refused the input: {exc}") from exc
             if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
                 raise EngineFailure("the engine failed while serving this request") from exc

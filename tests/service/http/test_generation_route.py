@@ -44,6 +44,8 @@ def test_generation_length_cut_is_flagged(stories_server):
     ({"chat_template_kwargs": {"enable_thinking": {"__class__": 1}}}, 422, "bool, number or short string"),
     ({"max_tokens": 10**6}, 400, "max_model_len"),
     ({"model": "other-model"}, 400, "not served"),
+    ({"stop": ""}, 422, "must not be empty"),  # vLLM's VLLMValidationError (not a ValueError) was a 500
+    ({"stop": ["x", ""]}, 422, "must not be empty"),
 ])
 def test_generation_bad_input_is_refused_clearly(stories_server, body, status, words):
     r = complete(stories_server, **body)
