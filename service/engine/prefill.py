@@ -20,8 +20,10 @@ from hsx_service.engine.arena import Allocator, ArenaFull, ArenaTooSmall, Reserv
 from hsx_service.engine.config import ModelFacts, build_engine_config
 from hsx_service.engine.engine_output import ChildOutput
 from hsx_service.engine.engine_stats import EngineStats
+from hsx_service.engine import vllm_compat
 from hsx_service.engine.notices import Notices
-from hsx_service.http.errors import BadInput, EngineFailure, EngineTimeout, Overloaded, StartupError, TooLarge
+from hsx_service.http.errors import (BadInput, EngineFailure, EngineTimeout, Overloaded, ServiceError, StartupError,
+                                    TooLarge)
 from hsx_service.settings import ServiceSettings
 
 if TYPE_CHECKING:  # vLLM is imported when the engine starts, not with this module
@@ -30,6 +32,18 @@ if TYPE_CHECKING:  # vLLM is imported when the engine starts, not with this modu
 
 log = logging.getLogger("hsx.engine")
 SELF_TEST_TIMEOUT = 120.0  # seconds the start-up self-test may take (it is the first prefill)
+
+
+def engine_error(exc: BaseException, timeout: float) -> ServiceError | None:
+    """The answer for what a request to the engine raised (a prefill or a generation); None
+    when it is not the engine's to answer (the caller re-raises it)."""
+    if isinstance(exc, vllm_compat.input_refusals()):  # vLLM's own input checks
+        return BadInput(f"vLLM refused the input: {exc}")
+    if isinstance(exc, asyncio.TimeoutError):
+        return EngineTimeout(f"the engine did not finish within {timeout:.0f}s")
+    if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
+        return EngineFailure("the engine failed while serving this request")
+    return None
 
 
 class PrefillEngine:
@@ -181,18 +195,15 @@ class PrefillEngine:
         try:
             msg = await asyncio.wait_for(asyncio.shield(prefill), timeout)
         except BaseException as exc:
-            await self._abort(request_id, prefill)
+            await self.abort(request_id, prefill)
             # The engine may still write this range: free it only on the connector's notice
             # (every request the scheduler saw gets one; one vLLM refused before scheduling
             # is held until request_timeout, which hsx's own input checks make rare).
             held = reservation.hand_over()
             asyncio.get_running_loop().create_task(self._release_on_notice(notice, held, key, prefill))
-            if isinstance(exc, ValueError):  # vLLM's own input checks
-                raise BadInput(f"vLLM refused the input: {exc}") from exc
-            if isinstance(exc, asyncio.TimeoutError):
-                raise EngineTimeout(f"the engine did not finish within {timeout:.0f}s") from exc
-            if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
-                raise EngineFailure("the engine failed while serving this request") from exc
+            answer = engine_error(exc, timeout)
+            if answer is not None:
+                raise answer from exc
             raise
         finally:
             self.engine_running -= 1
@@ -200,7 +211,7 @@ class PrefillEngine:
             raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
         return msg["timing"]
 
-    async def _abort(self, request_id: str, prefill: asyncio.Task) -> None:
+    async def abort(self, request_id: str, prefill: asyncio.Task) -> None:
         """Abort a request that may not have reached the engine yet. Aborting one still
         being submitted is a no-op: it then runs to completion and its notice frees the range."""
         if prefill.done():

@@ -86,6 +86,16 @@ def flexible_parser() -> type:
     return FlexibleArgumentParser
 
 
+def input_refusals() -> tuple[type[Exception], ...]:
+    """What vLLM raises for an input or sampling value it refuses: ValueError, and from 0.32
+    also its VLLMValidationError, which is not a ValueError."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError, VLLMValidationError)
+
+
 def is_cpu_backend() -> bool:
     return backend() == "cpu"
 

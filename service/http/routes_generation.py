@@ -15,7 +15,6 @@ the way `vllm serve` splits it.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from typing import Any, Literal
@@ -24,11 +23,10 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from hsx_service.engine import vllm_compat
+from hsx_service.engine.prefill import engine_error
 from hsx_service.http.disconnect import race_client
-from hsx_service.http.errors import BadInput, Draining, EngineFailure, EngineTimeout, NotAvailable, NotReady, StartupError
+from hsx_service.http.errors import BadInput, Draining, EngineFailure, NotAvailable, NotReady, StartupError
 from hsx_service.http.schema import ChatMessage, ErrorResponse, check_template_kwargs
-
-log = logging.getLogger("hsx.generation")
 
 ROUTE = "/v1/chat/completions"
 
@@ -103,16 +101,6 @@ def reasoning_splitter(prefill: Any) -> ReasoningSplitter | None:
     return ReasoningSplitter(name, prefill.engine.tokenizer)
 
 
-def _vllm_refusals() -> tuple[type[Exception], ...]:
-    """What vLLM raises for a value it refuses: ValueError, and from 0.32 its
-    VLLMValidationError, which is not one."""
-    try:
-        from vllm.exceptions import VLLMValidationError
-    except ImportError:
-        return (ValueError,)
-    return (ValueError, VLLMValidationError)
-
-
 def sampling_params(body: ChatCompletionRequest, prompt_tokens: int, max_model_len: int) -> Any:
     from vllm import SamplingParams
 
@@ -137,7 +125,7 @@ def sampling_params(body: ChatCompletionRequest, prompt_tokens: int, max_model_l
             seed=seed, stop=stop or None,
             skip_special_tokens=body.skip_special_tokens, n=1,
         )
-    except _vllm_refusals() as exc:  # vLLM's own checks of the sampling values
+    except vllm_compat.input_refusals() as exc:  # vLLM's own checks of the sampling values
         raise BadInput(f"vLLM refused the sampling parameters: {exc}") from None
 
 
@@ -202,21 +190,15 @@ class Generator:
                 final = output
 
         task = asyncio.get_running_loop().create_task(run())
+        timeout = self.st.settings.request_timeout
         try:
-            await asyncio.wait_for(asyncio.shield(task), self.st.settings.request_timeout)
+            await asyncio.wait_for(asyncio.shield(task), timeout)
         except BaseException as exc:
-            if not task.done():
-                try:
-                    await asyncio.shield(engine.abort(engine_id))
-                except Exception:
-                    log.debug("abort of %s failed", engine_id, exc_info=True)
-                task.cancel()
-            if isinstance(exc, asyncio.TimeoutError):
-                raise EngineTimeout(f"the engine did not finish within {self.st.settings.request_timeout:.0f}s") from exc
-            if isinstance(exc, _vllm_refusals()):
-                raise BadInput(f"vLLM refused the input: {exc}") from exc
-            if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
-                raise EngineFailure("the engine failed while serving this request") from exc
+            await self.st.prefill.abort(engine_id, task)
+            task.cancel()
+            answer = engine_error(exc, timeout)
+            if answer is not None:
+                raise answer from exc
             raise
         if final is None or not final.finished:
             raise EngineFailure("the engine ended the request without a finished output")

@@ -95,3 +95,21 @@ async def test_race_client_cancelled_cancels_the_work():
         await waiter
     await asyncio.sleep(0)
     assert work.cancelled()
+
+
+@pytest.mark.slow  # imports vLLM
+def test_engine_errors_have_one_answer_for_prefill_and_generation():
+    """Both engine paths answer through engine.prefill.engine_error: vLLM 0.32's
+    VLLMValidationError (not a ValueError) is a 400 like a ValueError, never a 500."""
+    import asyncio
+
+    from vllm.exceptions import VLLMValidationError
+
+    from hsx_service.engine.prefill import engine_error
+    from hsx_service.http.errors import BadInput, EngineFailure, EngineTimeout
+
+    assert isinstance(engine_error(VLLMValidationError("stop cannot contain an empty string."), 30), BadInput)
+    assert isinstance(engine_error(ValueError("prompt too long"), 30), BadInput)
+    assert isinstance(engine_error(asyncio.TimeoutError(), 30), EngineTimeout)
+    assert isinstance(engine_error(type("EngineDeadError", (Exception,), {})(), 30), EngineFailure)
+    assert engine_error(KeyError("x"), 30) is None
