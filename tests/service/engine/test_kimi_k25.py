@@ -15,7 +15,7 @@ import pytest
 
 from _reference import check_responses
 from _server import ServerProcess
-from conftest import need_vllm
+from conftest import need_cpu_mla, need_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,7 @@ def kimi_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def kimi_server(kimi_model, log_dir):
-    from hsx_service.engine import vllm_compat
-
-    need_vllm()
-    if vllm_compat.is_cpu_backend() and importlib.util.find_spec("vllm.v1.attention.backends.mla.cpu_mla") is None:
-        pytest.skip("this vLLM has no MLA on its CPU backend")
+    need_cpu_mla()
     if importlib.util.find_spec("vllm.model_executor.models.kimi_k25") is None:
         pytest.skip("this vLLM has no Kimi-K2.5")
     server = ServerProcess(str(kimi_model), "--dtype", "float32", "--max-model-len", "1024",

