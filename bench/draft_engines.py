@@ -34,6 +34,7 @@ def _engine_kwargs(cfg: dict) -> dict[str, Any]:
     return engine_kwargs(cfg["model"], cfg.get("engine_flags", []))
 
 
+
 def _shutdown(llm) -> None:
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):  # os._exit below would leave the engine core orphaned
@@ -49,7 +50,6 @@ def reference(cfg: dict) -> None:
     from speculators.data_generation.offline import check_hidden_states
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.platforms import current_platform
 
     out = Path(cfg["out"]) / "hidden_states"
     out.mkdir(parents=True, exist_ok=True)
@@ -57,14 +57,9 @@ def reference(cfg: dict) -> None:
     rows = [list(r) for r in table["input_ids"]]
     kw = _engine_kwargs(cfg)
     staging = tempfile.mkdtemp(prefix="hsx-draftq-ref-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    aux = {"eagle_aux_hidden_state_layer_ids": cfg["layers"]}
-    kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                "draft_model_config": {"hf_config": aux}}
-    kw["kv_transfer_config"] = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                "kv_connector_extra_config": {"shared_storage_path": staging}}
-    if current_platform.is_cpu():  # the stock connector needs CUDA; hsx bench's CPU twin copies synchronously
-        kw["kv_transfer_config"].update(kv_connector="CpuHiddenStatesConnector",
-                                        kv_connector_module_path="hsx_tools.bench_cpu_connector")
+    from hsx_tools.bench.engines import with_vllm_file_path  # importable once _engine_kwargs set the path
+
+    with_vllm_file_path(kw, cfg["layers"], staging)
     llm = LLM(**kw)
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)

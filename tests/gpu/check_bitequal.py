@@ -63,19 +63,11 @@ def vllm_own_path(model: str, dtype: str, layers: list[int], prompts: list[list[
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
     from vllm.inputs import TokensPrompt
 
-    from hsx_tools.bench.engines import engine_kwargs
+    from hsx_tools.bench.engines import engine_kwargs, with_vllm_file_path
 
     kw = engine_kwargs(model, flags_for(model, dtype))
     states_dir = tempfile.mkdtemp(prefix="hsx-bitequal-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    kw["speculative_config"] = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}}
-    kw["kv_transfer_config"] = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                "kv_connector_extra_config": {"shared_storage_path": states_dir}}
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():  # the stock connector needs CUDA; hsx bench's CPU twin copies synchronously
-        kw["kv_transfer_config"].update(kv_connector="CpuHiddenStatesConnector",
-                                        kv_connector_module_path="hsx_tools.bench_cpu_connector")
+    with_vllm_file_path(kw, layers, states_dir)
     llm = LLM(**kw)
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     got = []

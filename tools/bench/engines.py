@@ -38,6 +38,30 @@ def engine_kwargs(model: str, flags: list[str]) -> dict[str, Any]:
     return kw
 
 
+def with_vllm_file_path(kw: dict[str, Any], layers: list[int], states_dir: str) -> dict[str, Any]:
+    """`kw` for vLLM's own path: `extract_hidden_states` and its stock file connector writing
+    one safetensors file per request into `states_dir` (on CPU, where that connector needs
+    CUDA, hsx bench's synchronous twin of it). Mode (b), check_bitequal.py and the draft-quality
+    reference all run this one configuration."""
+    from vllm.platforms import current_platform
+
+    kw["speculative_config"] = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
+    }
+    kv = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": states_dir},
+    }
+    if current_platform.is_cpu():
+        kv["kv_connector"] = "CpuHiddenStatesConnector"
+        kv["kv_connector_module_path"] = "hsx_tools.bench_cpu_connector"
+    kw["kv_transfer_config"] = kv
+    return kw
+
+
 def worker_main(config_path: str) -> int:
     """Child process of modes (a) and (b); writes its figures to config['result']."""
     cfg = json.loads(Path(config_path).read_text())
@@ -55,20 +79,7 @@ def worker_main(config_path: str) -> int:
 
         on_cpu = bool(current_platform.is_cpu())
         states_dir = cfg["states_dir"]
-        kw["speculative_config"] = {
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
-        }
-        kv = {
-            "kv_connector": "ExampleHiddenStatesConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": states_dir},
-        }
-        if on_cpu:
-            kv["kv_connector"] = "CpuHiddenStatesConnector"
-            kv["kv_connector_module_path"] = "hsx_tools.bench_cpu_connector"
-        kw["kv_transfer_config"] = kv
+        with_vllm_file_path(kw, layers, states_dir)
     log(f"({mode}) starting vLLM: {json.dumps({k: v for k, v in kw.items()}, default=str)}")
     t = time.monotonic()
     llm = LLM(**kw)
