@@ -10,6 +10,7 @@
 #   bash tests/gpu/session.sh mla 0.26.0          # tiny DeepSeek-V3 and Kimi-K2.5 (MLA + MoE), bf16 and fp8, every layer
 #   bash tests/gpu/session.sh bench 0.33.0        # hsx bench --h200
 #   bash tests/gpu/session.sh mla|quant|bitequal 0.26.0   # issue 27: MLA, quantized, bit-equality vs vLLM's own path
+#   bash tests/gpu/session.sh regen 0.33.0        # issue 28: hsx regenerate on hsx serve vs vllm serve (8B shape)
 #   bash tests/gpu/session.sh draft 0.33.0        # issue 30: drafts trained on hsx vs reference data, acceptance
 #     (.whl/online and .whl/draft from tests/gpu/draft_wheels.sh carried by stash calls; DRAFT_ARGS adds flags)
 #   bash tests/gpu/session.sh bench17 0.33.0 preset|8b [WORKERS [HTTP_WORKERS]]   # issue 17's HTTP rows
@@ -116,8 +117,14 @@ mla)
     # layer id 1..N against transformers fp32 (worst errors in the JSON).
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
-    python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 --layers 4 --heads 16 \
-        --dtype bfloat16 >/dev/null
+    # MLA_ONLY=kimi: the Kimi-K2.5 model alone, bf16 (when the DeepSeek-V3 rows of this kit are on record).
+    ds=(--extra-model /tmp/tiny-deepseek-v3 --extra-quantization fp8)
+    if [ "${MLA_ONLY:-}" = kimi ]; then
+        ds=()
+    else
+        python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 --layers 4 --heads 16 \
+            --dtype bfloat16 >/dev/null
+    fi
     # Kimi-K2.5 (KimiK25ForConditionalGeneration: the same text model behind a MoonViT), its text path.
     kimi=()
     if python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-kimi-k25 --family kimi_k25 --layers 4 --heads 16 \
@@ -127,8 +134,9 @@ mla)
         echo "session: this hsx's make-tiny-model has no --family kimi_k25 (or its transformers no Kimi-K2.5): skipped"
     fi
     runner=$(expected_runner)
-    python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" --extra-model /tmp/tiny-deepseek-v3 \
-        "${kimi[@]}" --extra-quantization fp8 --json "$out/check-mla-$ver.json" 2>&1 | tee "$out/check-mla-$ver.log"
+    tag=$([ "${MLA_ONLY:-}" = kimi ] && echo kimi || echo mla)
+    python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" "${ds[@]}" "${kimi[@]}" \
+        --json "$out/check-$tag-$ver.json" 2>&1 | tee "$out/check-$tag-$ver.log"
     # Which MLA / prefill / MoE backends vLLM picked, from the servers' logs.
     grep -hiE "backend|quantiz" /tmp/hsx-gpu-check-*/tiny-deepseek-v3*.log /tmp/hsx-gpu-check-*/tiny-kimi-k25*.log \
         > "$out/mla-backends-$ver.txt" 2>/dev/null || true
@@ -145,12 +153,31 @@ bitequal)
     # same flags and prompts: stories260K in fp32, the tiny DeepSeek-V3 (made by the mla step) in bf16.
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
+    # fp32: vLLM's own path twice (fresh processes), to tell the kernels' run-to-run bits from hsx's.
+    # BITEQUAL=stories runs the fp32 stories260K check alone.
+    python3 tests/gpu/check_bitequal.py --model /tmp/gpufix/stories260K --dtype float32 --own-runs 2 \
+        --json "$out/bitequal-stories-fp32-$ver.json" 2>&1 | tee "$out/bitequal-stories-$ver.log" || true
+    [ "${BITEQUAL:-}" = stories ] && exit 0
     [ -d /tmp/tiny-deepseek-v3 ] || python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 \
         --layers 4 --heads 16 --dtype bfloat16 >/dev/null
-    python3 tests/gpu/check_bitequal.py --model /tmp/gpufix/stories260K --dtype float32 \
-        --json "$out/bitequal-stories-fp32-$ver.json" 2>&1 | tee "$out/bitequal-stories-$ver.log" || true
     python3 tests/gpu/check_bitequal.py --model /tmp/tiny-deepseek-v3 --dtype bfloat16 \
         --json "$out/bitequal-deepseek-bf16-$ver.json" 2>&1 | tee "$out/bitequal-deepseek-$ver.log"
+    ;;
+regen)
+    # Issue 28 item 6: generated tokens/s of `hsx regenerate` on hsx serve's engine against the same
+    # client on plain `vllm serve`, same flags and conversations (the OASST threads), greedy; then the
+    # chained extract (bench/regen_throughput.py). The 8B Llama shape with vLLM's dummy weights and
+    # hsx's small tokenizer (vocab 1024, so every generated id detokenizes).
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    model=/tmp/regen-llama8b
+    [ -f "$model/config.json" ] || python3 -c "from hsx_tools.tiny_model import make_tiny_model; make_tiny_model(
+        '$model', 'llama', num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+        vocab_size=1024, max_position_embeddings=4096, dtype='bfloat16', weights=False)"
+    python3 bench/regen_throughput.py --model "$model" --input /tmp/gpufix/threads.messages.jsonl \
+        --engine-args "--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.85" \
+        --conversations "${REGEN_CONVERSATIONS:-256}" --max-tokens "${REGEN_MAX_TOKENS:-256}" --concurrency 128 \
+        --out "$out/regen-throughput-h200-$ver.json" 2>&1 | tee "$out/regen-throughput-h200-$ver.log"
     ;;
 bench)
     # shellcheck disable=SC1091
@@ -228,7 +255,7 @@ benchds)
         --out "$out/benchds-w$workers-$ver.json" 2>&1 | tee "$out/benchds-w$workers-$ver.log"
     ;;
 *)
-    echo "session.sh: unknown step $step (prepare, stash, check, extra, mla, quant, bitequal, bench, bench17, benchds, draft)" >&2
+    echo "session.sh: unknown step $step (prepare, stash, check, extra, mla, quant, bitequal, regen, bench, bench17, benchds, draft)" >&2
     exit 2
     ;;
 esac
