@@ -47,6 +47,10 @@ prepare)
     # (client/transport.py) and the server's tokenizer processes (service/tokenize_pool.py).
     python3 -m pip download -q --no-deps --only-binary=:all: -d .gpufix/wheels "httpx-aiohttp>=0.2" "pebble>=5.0" \
         "loguru>=0.7.2,<=0.7.3"  # compressed-tensors (hsx quantize-tiny-model, vLLM's quantization configs) imports it
+    # vLLM >= 0.33's OpenAI server imports its SageMaker router's package at start (`vllm serve`,
+    # the regen step's baseline), which the kit lacks.
+    python3 -m pip download -q --no-deps --only-binary=:all: -d .gpufix/wheels model-hosting-container-standards \
+        jmespath "supervisor>=4.2.0"
     # ... and the corpus checksums' xxhash (client/corpus/store.py), a binary wheel for the image's Python.
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
