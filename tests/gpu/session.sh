@@ -10,6 +10,7 @@
 #   bash tests/gpu/session.sh mla 0.26.0          # tiny DeepSeek-V3 and Kimi-K2.5 (MLA + MoE), bf16 and fp8, every layer
 #   bash tests/gpu/session.sh bench 0.33.0        # hsx bench --h200
 #   bash tests/gpu/session.sh mla|quant|bitequal 0.26.0   # issue 27: MLA, quantized, bit-equality vs vLLM's own path
+#   bash tests/gpu/session.sh long 0.33.0         # issue 29: 128K-token, hidden-7168 samples through the default arena
 #   bash tests/gpu/session.sh regen 0.33.0        # issue 28: hsx regenerate on hsx serve vs vllm serve (8B shape)
 #   bash tests/gpu/session.sh draft 0.33.0        # issue 30: drafts trained on hsx vs reference data, acceptance
 #     (.whl/online and .whl/draft from tests/gpu/draft_wheels.sh carried by stash calls; DRAFT_ARGS adds flags)
@@ -183,6 +184,21 @@ regen)
         --conversations "${REGEN_CONVERSATIONS:-256}" --max-tokens "${REGEN_MAX_TOKENS:-256}" --concurrency 128 \
         --out "$out/regen-throughput-h200-$ver.json" 2>&1 | tee "$out/regen-throughput-h200-$ver.log"
     ;;
+long)
+    # Issue 29 item 4: 131,072-token prompts on a random DeepSeek-V3-shaped model (hidden 7168, MLA,
+    # 4 layers, vLLM dummy weights): ~7.5 GB of states per sample with every layer captured, through
+    # the DEFAULT arena (no --arena-bytes), by leases and HTTP, against plain prefill of the same
+    # prompts; hsx bench reports server and client peak RSS. The corpus on disk, not /dev/shm.
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    ds="family=deepseek_v3,layers=4,hidden=7168,ffn=18432,moe_ffn=2048,experts=8,topk=2,q_lora=1536,heads=128"
+    ds="$ds,kv_heads=128,vocab=129280,dtype=bfloat16,max_pos=131200,weights=0"
+    python3 -m hsx_tools.cli bench --make-model "$ds" --prompts "${LONG_PROMPTS:-2}" --prompt-len 131072 \
+        --layers 1,2,3,4 --concurrency 1 --warmup 1 --max-model-len 131200 --engine-arg=--load-format=dummy \
+        --engine-arg=--max-num-batched-tokens=16384 --engine-arg=--gpu-memory-utilization=0.85 --modes "${MODES:-a,c}" \
+        --transfer "${TRANSFER:-auto,http:none}" --client-process --codec-sample 0 --workdir /tmp/hsxb \
+        --output-dir /tmp/hsxc-long --out "$out/long-128k-$ver.json" 2>&1 | tee "$out/long-128k-$ver.log"
+    ;;
 bench)
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
@@ -259,7 +275,7 @@ benchds)
         --out "$out/benchds-w$workers-$ver.json" 2>&1 | tee "$out/benchds-w$workers-$ver.log"
     ;;
 *)
-    echo "session.sh: unknown step $step (prepare, stash, check, extra, mla, quant, bitequal, regen, bench, bench17, benchds, draft)" >&2
+    echo "session.sh: unknown step $step (prepare, stash, check, extra, mla, quant, bitequal, regen, long, bench, bench17, benchds, draft)" >&2
     exit 2
     ;;
 esac
