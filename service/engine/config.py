@@ -175,7 +175,7 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
         raise StartupError(
             f"architecture {arch} does not implement vLLM's EAGLE-3 aux-hidden-state interface "
             "(SupportsEagle3), so its hidden states cannot be captured. Verified with hsx (docs/compatibility.md): "
-            "Llama, Qwen3-MoE, Qwen3-Next, DeepSeek-V3 (MLA)."
+            "Llama, Qwen3-MoE, Qwen3-Next, DeepSeek-V3 / Kimi-K2 (MLA), Kimi-K2.5 (its text path)."
         )
     hybrid = vllm_compat.is_hybrid(model_cls)
     if hybrid:
