@@ -235,10 +235,6 @@ class HiddenStatesService:
             raise
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
-        if isinstance(reservation, StreamWindow) and http_worker:
-            # An HTTP worker sends bodies from whole leases only: the engine process streams this
-            # one itself (the worker relays it as it comes).
-            lease = False
         if lease and not http_worker and self.leases is not None:
             capped = self.leases.may_lease(session, reservation.extent.reserved)
             if capped is not None:  # this one comes as an HTTP body: nothing waits, nothing is pinned
@@ -280,7 +276,7 @@ class HiddenStatesService:
         parts.pop(0)
         if chunked:
             return self._reply_lease_stream(reservation, specs, parts, metadata, headers, states, session, n, started,
-                                            t_send)
+                                            t_send, http_worker)
         extent = reservation.extent
         # An HTTP worker's lease (http_worker.py) lasts until it has sent the body, however slow
         # its client; it reports what it sent when it releases the lease (its metrics are
@@ -307,9 +303,12 @@ class HiddenStatesService:
 
     def _reply_lease_stream(self, window: StreamWindow, specs: list[TensorSpec], parts: list,
                             metadata: dict[str, str], headers: dict[str, str], states: TensorSpec,
-                            session: str | None, n: int, started: float, t_send: float) -> Reply:
+                            session: str | None, n: int, started: float, t_send: float,
+                            http_worker: bool = False) -> Reply:
         """The chunked lease form (hsx/wire.py LEASE_STREAM_MEDIA_TYPE): the lease head, then a
-        lease per chunk as it lands; each release gives the chunk's slot back to the worker."""
+        lease per chunk as it lands; each release gives the chunk's slot back to the worker.
+        An HTTP worker's chunk leases do not expire; the worker closes this response only once
+        it reads no chunk any more, so they end with it."""
         metadata["lease"] = json.dumps({
             "chunked": True, "arena_id": self.prefill.arena.arena_id, "dtype": states.dtype,
             "shape": list(states.shape), "expires_in": self.settings.lease_timeout,
@@ -319,14 +318,17 @@ class HiddenStatesService:
         stats = Stats()
         leases = self.leases
         assert leases is not None
+        granted: list[str] = []
 
         async def stream() -> AsyncIterator[bytes]:
             yield head
             stats.wire += len(head)
             try:
                 while (chunk := await window.next_chunk()) is not None:
-                    lease_id = leases.grant(ChunkLease(window, chunk), session)
+                    lease_id = leases.grant(ChunkLease(window, chunk), session, expires=not http_worker)
                     self.metrics.leases.labels("granted").inc()
+                    if http_worker:
+                        granted.append(lease_id)
                     line = json.dumps({"id": lease_id, "offset": chunk.offset, "nbytes": chunk.nbytes,
                                        "tokens": [chunk.start, chunk.stop]}).encode() + b"\n"
                     try:
@@ -343,6 +345,8 @@ class HiddenStatesService:
                                   "status": 502}).encode() + b"\n"
 
         def close() -> None:
+            for lease_id in granted:  # an HTTP worker's: released already, or never to be read
+                leases.release(lease_id, "unsent")
             window.close()
             self._record(n, stats.raw, stats.wire, stats.complete, started, time.perf_counter() - t_send)
 

@@ -113,7 +113,12 @@ async def _pipelined(body: Body, stats: Stats, step, executor: Executor | None) 
     async with contextlib.aclosing(body.pieces()) as pieces:
         try:
             async for chunk, after in pieces:
-                done = await pending if pending is not None else None
+                try:  # shielded: a cancel here must not end the step while it reads the previous piece
+                    done = await asyncio.shield(pending) if pending is not None else None
+                except BaseException:
+                    if after is not None:  # this piece was never read: it is given back
+                        after()
+                    raise
                 stats.raw += len(chunk)
                 pending = loop.run_in_executor(executor, timed(stats, step), chunk, False)
                 if after is not None:
@@ -122,7 +127,7 @@ async def _pipelined(body: Body, stats: Stats, step, executor: Executor | None) 
                     stats.wire += len(done)
                     yield done
             for last in (False, True):  # the last piece's output, then the end (a zstd frame's epilogue)
-                done = await pending if pending is not None else None
+                done = await asyncio.shield(pending) if pending is not None else None
                 pending = None if last else loop.run_in_executor(executor, timed(stats, step), memoryview(b""), True)
                 if done:
                     stats.wire += len(done)

@@ -42,7 +42,9 @@ def big_model(tmp_path_factory):
 def chunk_server(big_model, log_dir):
     need_vllm()
     server = ServerProcess(str(big_model), "--dtype", "float32", "--max-model-len", str(TOKENS + 64),
-                           "--arena-bytes", str(ARENA), "--max-num-seqs", "8", log_dir=log_dir, name="chunked")
+                           "--arena-bytes", str(ARENA), "--max-num-seqs", "8",
+                           # a repeated input is computed again, not partly from the prefix cache
+                           "--no-enable-prefix-caching", log_dir=log_dir, name="chunked")
     yield server.wait_ready()
     server.stop()
 
@@ -146,8 +148,82 @@ def test_many_large_and_small_samples_at_once(chunk_server):
         assert got.token_ids.tolist() == ids
         assert got.hidden_states.shape == (len(ids), 3, 2048)
         assert torch.isfinite(got.hidden_states).all()
-    # The same input alone gives the same states (chunks of concurrent samples never mix).
+    # The same input alone gives the same states (chunks of concurrent samples never mix; batched
+    # with others, the last bits of fp32 sums may differ).
     ids, first = results[0]
     again = decode(httpx.post(chunk_server.url + "/hidden_states", json={"input_ids": ids}, timeout=300).content)
-    assert torch.equal(first.hidden_states, again.hidden_states)
+    assert rel_err(first.hidden_states, again.hidden_states) < 1e-5
     wait_until(lambda: _arena_used(chunk_server) == 0, 30, "every window freed")
+
+
+# ------------------------------------------------------------------ the chunked lease form
+def _lease_stream(server, ids, steps):
+    """Open a lease-stream answer for `ids` through the client's own path and run `steps(stream)`."""
+    from hsx_client.api import HsxClient
+    from hsx_client.lease_stream import LeaseStream
+
+    async def main():
+        async with HsxClient(server.url, transfer="auto") as client:
+            state = client._pool.servers[0]
+            arena = await client._arena_for(state, "rid")
+            assert arena is not None, "no lease offer from the test server"
+            stream = await client._post_hidden_states(state, json.dumps({"input_ids": ids}).encode(), "rid", arena)
+            assert isinstance(stream, LeaseStream)
+            try:
+                return await steps(stream)
+            finally:
+                await stream.aclose()
+
+    return asyncio.run(main())
+
+
+def test_lease_stream_hands_over_exact_chunks(chunk_server, reference):
+    ids, ref = reference
+
+    async def read_all(stream):
+        head = await stream.head()
+        assert head.shape == (TOKENS, 3, 2048) and head.token_ids.tolist() == ids
+        out = torch.empty(head.shape, dtype=head.dtype)
+        chunks = 0
+        async for c in stream.chunks():
+            out[c.start : c.stop] = torch.frombuffer(bytearray(c.data), dtype=head.dtype).view(c.stop - c.start, 3, 2048)
+            chunks += 1
+        return out, chunks
+
+    got, chunks = _lease_stream(chunk_server, ids, read_all)
+    assert chunks > 10
+    assert rel_err(got, ref) < 1e-4
+    http = decode(httpx.post(chunk_server.url + "/hidden_states", json={"input_ids": ids}, timeout=300).content)
+    assert torch.equal(got, http.hidden_states)  # the same bytes as the HTTP body
+    wait_until(lambda: _arena_used(chunk_server) == 0 and chunk_server.metrics().get("hsx_leases_live") == 0,
+               30, "every chunk lease released and the window freed")
+
+
+def test_lease_stream_closed_mid_sample_frees_everything(chunk_server):
+    async def two_chunks(stream):
+        n = 0
+        async for _ in stream.chunks():
+            n += 1
+            if n == 2:
+                break
+        return n
+
+    assert _lease_stream(chunk_server, _ids(3), two_chunks) == 2
+    wait_until(lambda: _arena_used(chunk_server) == 0 and chunk_server.metrics().get("hsx_leases_live") == 0,
+               60, "the window and the leases freed after the client left")
+    r = httpx.post(chunk_server.url + "/hidden_states", json={"input_ids": _ids(4, 100)}, timeout=300)
+    assert r.status_code == 200
+
+
+def test_whole_response_callers_get_a_chunked_lease_whole(chunk_server, reference):
+    from hsx_client.api import HsxClient
+
+    ids, ref = reference
+
+    async def main():
+        async with HsxClient(chunk_server.url, transfer="auto") as client:
+            return await client.hidden_states_response({"input_ids": ids}, lease_ok=True)
+
+    raw = asyncio.run(main())
+    got = raw.decode()
+    assert raw.lease is None and got.token_ids.tolist() == ids and rel_err(got.hidden_states, ref) < 1e-4
