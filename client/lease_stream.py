@@ -21,10 +21,24 @@ from hsx_client.errors import HsxError, ServerError
 from hsx_client.responses import Lease, RawResponse
 
 
-def _states_chunk(start: int, stop: int, data: memoryview) -> Any:
-    from hsx_client.sample_stream import StatesChunk
+try:
+    from hsx_client.sample_stream import SampleHead, StatesChunk
+except ImportError:  # the interface module (client/sample_stream.py) comes with the client side's branch
+    from dataclasses import dataclass
 
-    return StatesChunk(start, stop, data)
+    @dataclass(frozen=True)
+    class SampleHead:  # type: ignore[no-redef]  # the contract's fields
+        token_ids: np.ndarray
+        loss_mask: np.ndarray | None
+        metadata: dict[str, str]
+        dtype: Any
+        shape: tuple[int, int, int]
+
+    @dataclass(frozen=True)
+    class StatesChunk:  # type: ignore[no-redef]
+        start: int
+        stop: int
+        data: memoryview
 
 
 class LeaseStream:
@@ -61,8 +75,6 @@ class LeaseStream:
         self._records.extend(self._reader.feed(data))
 
     async def head(self) -> Any:
-        from hsx_client.sample_stream import SampleHead
-
         if self._head is not None:
             return self._head
         while self._reader.head is None:
@@ -121,7 +133,7 @@ class LeaseStream:
                 raise wire.WireFormatError(f"lease stream chunk {rec} out of order or mis-sized")
             self._out.states = self._arena.view(int(rec["offset"]), int(rec["nbytes"]))
             self._next_token = b
-            yield _states_chunk(a, b, self._out.states)
+            yield StatesChunk(a, b, self._out.states)
 
     async def release(self) -> None:
         """Nothing is held once `chunks()` has ended (each lease was released on the way)."""

@@ -20,8 +20,7 @@ def encode_body(specs: list[TensorSpec], parts: list, metadata: dict[str, str], 
     """Headers (Content-Type, and Content-Encoding or Content-Length) and the body stream of
     tensors `specs` with bytes `parts` (`hidden_states` first). `coding` is what
     negotiate.choose_coding chose: bf16split applies to BF16 states only (zstd otherwise)."""
-    streamed = any(hasattr(p, "pieces") for p in parts)  # a chunked sample: one zstd frame fed as chunks land
-    if coding == "bf16split" and not streamed and specs and specs[0].name == "hidden_states" and specs[0].dtype == "BF16":
+    if coding == "bf16split" and specs and specs[0].name == "hidden_states" and specs[0].dtype == "BF16":
         return {"Content-Type": bf16split.MEDIA_TYPE}, stream_bf16split(specs, metadata, parts, stats, pool)
     body = Body([encode_header(specs, metadata), *parts])
     if coding in ("zstd", "bf16split"):

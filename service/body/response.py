@@ -59,15 +59,16 @@ class Body:
                 for view in Body([part]).chunks():
                     yield view, None
                 continue
-            async for piece, done in part.pieces():
-                views = Body([piece]).chunks()
-                try:
-                    for i, view in enumerate(views[:-1]):
-                        yield view, None
-                except BaseException:  # closed before its last view: nothing reads the piece now
-                    done()
-                    raise
-                yield views[-1], done
+            async with contextlib.aclosing(part.pieces()) as pieces:
+                async for piece, done in pieces:
+                    views = Body([piece]).chunks()
+                    try:
+                        for i, view in enumerate(views[:-1]):
+                            yield view, None
+                    except BaseException:  # closed before its last view: nothing reads the piece now
+                        done()
+                        raise
+                    yield views[-1], done
 
 
 class Stats:

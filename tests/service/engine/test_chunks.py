@@ -16,6 +16,7 @@ import zstandard
 
 from hsx.wire import (LEASE_STREAM_MEDIA_TYPE, LeaseStreamReader, TensorSpec, WireFormatError, encode_header,
                       head_size)
+from hsx_service.body.compress import CompressPool, stream_bf16split
 from hsx_service.body.response import Body, Stats, stream_identity, stream_zstd
 from hsx_service.engine.arena import Allocator, SharedArena
 from hsx_service.engine.chunks import ChunkedSave, ChunkPlan, CreditBook, plan_slots
@@ -168,11 +169,11 @@ class _Credits:
         self.sent.append(("cancel",))
 
 
-def _window(tokens=10, arena_size=1 << 16):
+def _window(tokens=10, arena_size=1 << 16, token_bytes=TOKEN_BYTES):
     alloc = Allocator(arena_size)
-    res = alloc.reserve(2 * 3 * TOKEN_BYTES)
+    res = alloc.reserve(2 * 3 * token_bytes)
     base = res.extent.offset
-    plan = ChunkPlan(3, (base, base + 3 * TOKEN_BYTES), TOKEN_BYTES)
+    plan = ChunkPlan(3, (base, base + 3 * token_bytes), token_bytes)
     credits = _Credits()
     w = StreamWindow(res, plan, tokens, credits, end_timeout=5.0)
     w.key = "k"
@@ -249,12 +250,18 @@ def test_chunk_lease_gives_the_chunk_back_once():
 # ----------------------------------------------------------------- the streamed body
 def _streamed_body(coding: str):
     """A window fed by a fake worker as the body reads it: the body equals the whole one."""
+    bf16 = coding == "bf16split"
+    itemsize = 2 if bf16 else 4
+
     async def main():
         arena = bytearray(1 << 16)
-        alloc, w, credits = _window(tokens=10)
-        states = np.random.default_rng(0).standard_normal((10, L, H)).astype(np.float32)
+        alloc, w, credits = _window(tokens=10, token_bytes=L * H * itemsize)
+        rng = np.random.default_rng(0)
+        states = (rng.integers(0, 1 << 16, (10, L, H), dtype=np.uint16) if bf16
+                  else rng.standard_normal((10, L, H)).astype(np.float32))
         ids = np.arange(10, dtype=np.int64)
-        specs = [TensorSpec("hidden_states", "F32", (10, L, H)), TensorSpec("token_ids", "I64", (10,))]
+        specs = [TensorSpec("hidden_states", "BF16" if bf16 else "F32", (10, L, H)),
+                 TensorSpec("token_ids", "I64", (10,))]
         whole = encode_header(specs, {"a": "b"}) + states.tobytes() + ids.tobytes()
 
         async def fake_worker():
@@ -266,7 +273,7 @@ def _streamed_body(coding: str):
                     slot = free.pop(0)
                     a, b = sent_chunk * 3, min(10, sent_chunk * 3 + 3)
                     off = w.plan.slots[slot]
-                    arena[off : off + (b - a) * TOKEN_BYTES] = states[a:b].tobytes()
+                    arena[off : off + (b - a) * w.plan.token_bytes] = states[a:b].tobytes()
                     w.on_notice({"key": "k", "ok": True, "chunk": sent_chunk, "slot": slot})
                     sent_chunk += 1
                 await asyncio.sleep(0)
@@ -277,7 +284,16 @@ def _streamed_body(coding: str):
                      ids.tobytes()])
         assert body.nbytes == len(whole) and len(encoded) < len(whole)
         stats = Stats()
-        stream = stream_identity(body, stats) if coding == "identity" else stream_zstd(body, stats, 1, None)
+        if bf16:  # pieces across chunk boundaries: the same frames as the whole body's
+            pool = CompressPool(1, 4)
+            whole = b"".join([bytes(x) async for x in stream_bf16split(
+                specs, {"a": "b"}, [states.tobytes(), ids.tobytes()], Stats(), pool)])
+            stream = stream_bf16split(specs, {"a": "b"}, [WindowStates(w, memoryview(arena)), ids.tobytes()],
+                                      stats, pool)
+        elif coding == "identity":
+            stream = stream_identity(body, stats)
+        else:
+            stream = stream_zstd(body, stats, 1, None)
         out = b"".join([bytes(x) async for x in stream])
         await feeder
         w.close()
@@ -288,6 +304,17 @@ def _streamed_body(coding: str):
     if coding == "zstd":
         out = zstandard.ZstdDecompressor().decompress(out)
     assert out == whole
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    from hsx_service.body import compress
+
+    monkeypatch.setattr(compress, "PIECE", 40)  # 3-token chunks of 32-byte rows: pieces straddle chunks
+
+
+def test_streamed_bf16split_body_equals_the_whole_one(small_pieces):
+    _streamed_body("bf16split")
 
 
 @pytest.mark.parametrize("coding", ["identity", "zstd"])
