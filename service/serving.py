@@ -307,8 +307,9 @@ class HiddenStatesService:
                             http_worker: bool = False) -> Reply:
         """The chunked lease form (hsx/wire.py LEASE_STREAM_MEDIA_TYPE): the lease head, then a
         lease per chunk as it lands; each release gives the chunk's slot back to the worker.
-        An HTTP worker's chunk leases do not expire; the worker closes this response only once
-        it reads no chunk any more, so they end with it."""
+        A client that closes the response mid-sample has left it: the chunk leases it still holds
+        end then (a later release of one is a 410). An HTTP worker's do not expire; the worker
+        closes this response only once it reads no chunk any more, so they end with it too."""
         metadata["lease"] = json.dumps({
             "chunked": True, "arena_id": self.prefill.arena.arena_id, "dtype": states.dtype,
             "shape": list(states.shape), "expires_in": self.settings.lease_timeout,
@@ -325,10 +326,12 @@ class HiddenStatesService:
             stats.wire += len(head)
             try:
                 while (chunk := await window.next_chunk()) is not None:
+                    if not leases.session_alive(session):  # the client is gone: nobody would release it
+                        window.give_back(chunk.index)
+                        return
                     lease_id = leases.grant(ChunkLease(window, chunk), session, expires=not http_worker)
                     self.metrics.leases.labels("granted").inc()
-                    if http_worker:
-                        granted.append(lease_id)
+                    granted.append(lease_id)
                     line = json.dumps({"id": lease_id, "offset": chunk.offset, "nbytes": chunk.nbytes,
                                        "tokens": [chunk.start, chunk.stop]}).encode() + b"\n"
                     try:
@@ -345,8 +348,9 @@ class HiddenStatesService:
                                   "status": 502}).encode() + b"\n"
 
         def close() -> None:
-            for lease_id in granted:  # an HTTP worker's: released already, or never to be read
-                leases.release(lease_id, "unsent")
+            if http_worker or not stats.complete:  # released already, or never to be read
+                for lease_id in granted:
+                    leases.release(lease_id, "unsent")
             window.close()
             self._record(n, stats.raw, stats.wire, stats.complete, started, time.perf_counter() - t_send)
 

@@ -2,8 +2,10 @@
 copied and sent in token chunks, exactly, on a real engine: an 8 MiB arena (a 1 MiB window)
 and a 4096-token prompt on a model with hidden 2048 in fp32: about 100 MB of states.
 
-One server for the module (its arena is what is under test); the transformers reference is
-computed once.
+Over HTTP (identity, zstd) and the chunked lease form (client/lease_stream.py), a client
+leaving mid-sample (HTTP or lease) frees the window and the request's blocks, and many large
+and small samples at once. One server for the module (its arena is what is under test); the
+transformers reference is computed once.
 """
 
 from __future__ import annotations
