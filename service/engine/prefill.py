@@ -163,10 +163,11 @@ class PrefillEngine:
         """The arena range for one request's states: the whole range when they fit the stream
         window, else a window they pass through in chunks (chunks.py). Raises Overloaded (full
         now) or TooLarge (larger than the whole arena)."""
-        assert self.allocator is not None and self.credits is not None
+        assert self.allocator is not None
         nbytes = self.bytes_for(num_tokens, num_layers)
         try:
             if nbytes > self.window_bytes:
+                assert self.credits is not None
                 token_bytes = self.bytes_for(1, num_layers)
                 slots, tokens = plan_slots(self.window_bytes, token_bytes)
                 window = self.allocator.reserve(slots * tokens * token_bytes)
