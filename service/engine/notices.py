@@ -41,6 +41,11 @@ class Notices:
         with "end" (or not "ok")."""
         self._streams[key] = on_notice
 
+    def forget(self, key: str) -> None:
+        """No message will come for `key` (given up after a timeout): drop its listener."""
+        self._streams.pop(key, None)
+        self._waiters.pop(key, None)
+
     async def _run(self) -> None:
         while True:
             msg = json.loads(await self._sock.recv())

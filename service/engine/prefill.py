@@ -173,7 +173,8 @@ class PrefillEngine:
                 window = self.allocator.reserve(slots * tokens * token_bytes)
                 base = window.extent.offset
                 plan = ChunkPlan(tokens, tuple(base + i * tokens * token_bytes for i in range(slots)), token_bytes)
-                return StreamWindow(window, plan, num_tokens, self.credits, self.settings.request_timeout)
+                return StreamWindow(window, plan, num_tokens, self.credits, self.settings.request_timeout,
+                                    on_give_up=self.notices.forget if self.notices is not None else None)
             return self.allocator.reserve(nbytes)
         except ArenaFull as exc:
             raise Overloaded(f"response memory is full ({exc}); retry shortly", reason="memory") from exc

@@ -39,7 +39,7 @@ class Chunk:
 
 class StreamWindow:
     def __init__(self, reservation: Reservation, plan: ChunkPlan, num_tokens: int, credits: CreditSender,
-                 end_timeout: float) -> None:
+                 end_timeout: float, on_give_up: Callable[[str], None] | None = None) -> None:
         self.reservation = reservation
         self.plan = plan
         self.num_tokens = num_tokens
@@ -55,6 +55,7 @@ class StreamWindow:
         self.error: str | None = None
         self.closed = False
         self._timer: asyncio.TimerHandle | None = None
+        self._on_give_up = on_give_up  # told the key when no end notice came in time
 
     @property
     def extent(self) -> Extent:
@@ -134,6 +135,8 @@ class StreamWindow:
         log.warning("no end notice for chunked save %s; freeing its window after timeout", self.key[:8])
         self.ended = True
         self._out.clear()
+        if self._on_give_up is not None:
+            self._on_give_up(self.key)
         self._maybe_free()
 
     def _maybe_free(self) -> None:

@@ -364,3 +364,17 @@ def test_worker_bad_plan_fails_the_request_not_the_engine(worker):
     (end,) = _items(c)
     assert end[1] == "end" and "cannot hold" in end[3]
     assert c.get_finished({"r"})[0] == {"r"}  # its blocks are freed
+
+
+def test_window_without_an_end_notice_is_freed_after_its_timeout():
+    async def main():
+        alloc, w, _ = _window()
+        forgotten = []
+        w._end_timeout, w._on_give_up = 0.05, forgotten.append
+        w.on_notice({"key": "k", "ok": True, "chunk": 0, "slot": 0})
+        await w.next_chunk()  # out, never given back: the worker died silently
+        w.close()
+        await asyncio.sleep(0.2)
+        assert alloc.used == 0 and forgotten == ["k"]
+
+    asyncio.run(main())
