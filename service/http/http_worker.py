@@ -373,6 +373,7 @@ class HttpWorkerApp:
                 await stream.aclose()  # nothing reads the arena after this
         finally:
             gone.cancel()
+            await asyncio.sleep(0)  # the done callbacks of the last pieces run: their releases are queued
             if releases:
                 await asyncio.shield(asyncio.gather(*releases, return_exceptions=True))
             await answer.aclose()
