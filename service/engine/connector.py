@@ -15,6 +15,12 @@ states into the KV pages of a cache-only "draft" layer. When a request finishes:
   A small thread waits for each copy and then notifies the API process over a
   ZMQ socket; `get_finished` reports the request done so its blocks are freed.
 
+A sample larger than the API process's stream window is a *chunked save* (chunks.py):
+the worker copies token ranges into the window's free slots, notifies per chunk, reuses a
+slot when the API process credits it back, and reports the request finished (its blocks
+freed) only after its last chunk or a cancel. It never waits for a credit: each step's bind
+and `get_finished` drain the credit socket and issue what may start.
+
 Compared with vLLM's `ExampleHiddenStatesConnector` there is no file, lock file,
 safetensors serialization or read-back: one device-to-host copy into memory the
 HTTP layer sends from.
