@@ -35,6 +35,7 @@ No global state and no threads of its own: decompression and body checks run thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -224,7 +225,8 @@ class HsxClient:
 
         async def attempt(server: ServerState, rid: str) -> RawResponse:
             arena = await self._arena_for(server, rid) if lease_ok and self.transfer == "auto" else None
-            return await self._post_hidden_states(server, payload, rid, arena)
+            raw = await self._post_hidden_states(server, payload, rid, arena)
+            return await raw.collect() if hasattr(raw, "collect") else raw  # a chunked lease, whole
 
         return await self._pool.with_retries(attempt, rid0)
 
@@ -329,7 +331,9 @@ class HsxClient:
 
     async def _post_hidden_states(
         self, server: ServerState, payload: bytes, rid: str, arena: shm.ArenaMap | None = None
-    ) -> RawResponse:
+    ) -> Any:
+        """A RawResponse, or, for a sample the server sends in the chunked lease form, an open
+        `hsx_client.lease_stream.LeaseStream` (a SampleStream; the caller closes it)."""
         http = self._ensure_open()
         headers = {
             "Content-Type": "application/json",
@@ -342,7 +346,9 @@ class HsxClient:
         t_sent = time.perf_counter()
         decoder: ZstdBodyDecoder | None = None
         try:
-            async with http.stream("POST", server.url + "/hidden_states", content=payload, headers=headers) as resp:
+            async with contextlib.AsyncExitStack() as stack:
+                resp = await stack.enter_async_context(
+                    http.stream("POST", server.url + "/hidden_states", content=payload, headers=headers))
                 server.answered = True
                 resp_rid = resp.headers.get("x-request-id") or rid
                 if resp.status_code != 200:
@@ -355,6 +361,10 @@ class HsxClient:
                 ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
                 if ctype == bf16split.MEDIA_TYPE:  # a zstd stream of its own: not a content coding
                     compression = "bf16split"
+                if ctype == wire.LEASE_STREAM_MEDIA_TYPE and arena is not None:  # the response stays open
+                    from hsx_client.lease_stream import LeaseStream
+
+                    return LeaseStream(self, server.url, resp, stack.pop_all().aclose, arena, resp_rid)
                 if resp.is_stream_consumed:  # a transport that hands back read responses (MockTransport)
                     raw = resp.content
                     wire_bytes = resp.num_bytes_downloaded or len(raw)

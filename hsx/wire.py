@@ -28,6 +28,12 @@ MEDIA_TYPE = "application/x-safetensors"
 # `__metadata__["lease"]` (JSON) says where they lie in the server's shared arena:
 # {"id", "arena_id", "offset", "nbytes", "dtype", "shape", "expires_in"}.
 LEASE_MEDIA_TYPE = "application/vnd.hsx.lease+safetensors"
+# A lease request whose states exceed the server's stream window (chunked, issue 29): the same
+# header-only lease body, whose `lease` is {"chunked": true, "arena_id", "dtype", "shape",
+# "expires_in"}, then one JSON line per chunk as it lands, in token order:
+# {"id", "offset", "nbytes", "tokens": [a, b]} (a lease on tokens [a, b) of hidden_states, released
+# as a whole lease is), and last {"end": true} or {"error": "...", "status": 5xx}. `LeaseStreamReader`.
+LEASE_STREAM_MEDIA_TYPE = "application/vnd.hsx.lease-stream"
 
 
 def boot_id() -> str:
@@ -176,3 +182,78 @@ def decode(body: bytes | bytearray | memoryview, states: memoryview | None = Non
     if mask is not None and mask.shape != ids.shape:
         raise WireFormatError(f"loss_mask {mask.shape} does not match token_ids {ids.shape}")
     return Decoded(hidden_states=hs, token_ids=ids, loss_mask=mask, metadata=meta)
+
+
+def head_size(prefix: bytes | bytearray | memoryview) -> int | None:
+    """The length of a safetensors body (header and data) from its first bytes, or None while
+    its header has not fully arrived."""
+    if len(prefix) < 8:
+        return None
+    (n,) = struct.unpack("<Q", bytes(prefix[:8]))
+    if len(prefix) < 8 + n:
+        return None
+    header, start = parse_header(prefix[: 8 + n])
+    return start + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+
+
+class LeaseStreamReader:
+    """A `LEASE_STREAM_MEDIA_TYPE` body, fed as it arrives: first its head (the lease
+    safetensors body), then its records. `feed` returns the records completed by `data`."""
+
+    MAX_LINE = 1 << 16
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.head: bytes | None = None
+        self.lease: dict[str, Any] | None = None
+        self.ended = False
+
+    def feed(self, data: bytes | memoryview) -> list[dict[str, Any]]:
+        self._buf += data
+        if self.head is None:
+            size = head_size(self._buf)
+            if size is None or len(self._buf) < size:
+                return []
+            self.head = bytes(self._buf[:size])
+            del self._buf[:size]
+            check_body(self.head)
+            self.lease = chunked_lease_of(self.head)
+        records = []
+        while (nl := self._buf.find(b"\n")) >= 0:
+            line = bytes(self._buf[:nl])
+            del self._buf[: nl + 1]
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as exc:
+                raise WireFormatError(f"lease stream record is not JSON: {exc}") from exc
+            if not isinstance(rec, dict) or not ("end" in rec or "error" in rec or
+                                                 all(k in rec for k in ("id", "offset", "nbytes", "tokens"))):
+                raise WireFormatError(f"malformed lease stream record {line[:200]!r}")
+            if self.ended:
+                raise WireFormatError("lease stream record after its end")
+            self.ended = "end" in rec or "error" in rec
+            records.append(rec)
+        if len(self._buf) > self.MAX_LINE:
+            raise WireFormatError("lease stream record too long")
+        return records
+
+    def finish(self) -> None:
+        """The body ended: it must have said so."""
+        if self.head is None or not self.ended or self._buf.strip():
+            raise WireFormatError("lease stream ended early (no end record)")
+
+
+def chunked_lease_of(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """The lease description of a `LEASE_STREAM_MEDIA_TYPE` head."""
+    header, _ = parse_header(body)
+    try:
+        lease = json.loads(header.get("__metadata__", {})["lease"])
+        if lease.get("chunked") is not True:
+            raise ValueError("not chunked")
+        for key in ("arena_id", "dtype", "shape"):
+            lease[key]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireFormatError(f"lease stream without a valid chunked lease description: {exc}") from exc
+    return lease

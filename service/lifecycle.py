@@ -229,6 +229,7 @@ class Lifecycle:
                         lease_keys=st.settings.lease_api_key, on_session_end=service.leases.end_session,
                         internal_key=st.worker_token, clients=st.settings.shm_lease,
                     ).start()
+                    service.leases.live_sessions = st.arena_socket.sessions
                     if st.settings.api_key and not st.settings.lease_api_key:
                         log.info("same-host leases: no key is marked for them (--lease-api-key); HTTP bodies only")
                 except OSError as exc:  # e.g. no abstract sockets here: serve HTTP bodies only

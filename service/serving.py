@@ -21,10 +21,11 @@ import numpy as np
 from hsx import __version__ as hsx_version
 from hsx.dtypes import st_code
 from hsx.protocol.lease import SendReport
-from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, TensorSpec, encode_header
+from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, LEASE_STREAM_MEDIA_TYPE, TensorSpec, encode_header
 from hsx_service.http.admission import AdmissionGate, Ticket
 from hsx_service.engine.arena import Reservation
 from hsx_service.engine.prefill import PrefillEngine
+from hsx_service.engine.window import ChunkFailed, ChunkLease, StreamWindow, WindowStates
 from hsx_service.http.errors import BadInput, NoSupervisedTokens, TooLarge
 from hsx_service.body.encode import encode_body
 from hsx_service.engine.lease import Leases
@@ -250,7 +251,10 @@ class HiddenStatesService:
         n = len(ids)
         states = TensorSpec("hidden_states", st_code(f.dtype), (n, len(prep.layer_ids), f.hidden_size))
         specs = [states, TensorSpec("token_ids", "I64", (n,))]
-        parts: list = [self.prefill.arena.slice(reservation.extent), np.asarray(ids, dtype=np.int64).tobytes()]
+        chunked = isinstance(reservation, StreamWindow)
+        states_part = (WindowStates(reservation, self.prefill.arena.view) if chunked
+                       else self.prefill.arena.slice(reservation.extent))
+        parts: list = [states_part, np.asarray(ids, dtype=np.int64).tobytes()]
         if prep.encoded.loss_mask is not None:
             specs.append(TensorSpec("loss_mask", "U8", (n,)))
             parts.append(np.asarray(prep.encoded.loss_mask, dtype=np.uint8).tobytes())
@@ -270,6 +274,9 @@ class HiddenStatesService:
 
         specs.pop(0)
         parts.pop(0)
+        if chunked:
+            return self._reply_lease_stream(reservation, specs, parts, metadata, headers, states, session, n, started,
+                                            t_send, http_worker)
         extent = reservation.extent
         # An HTTP worker's lease (http_worker.py) lasts until it has sent the body, however slow
         # its client; it reports what it sent when it releases the lease (its metrics are
@@ -293,6 +300,61 @@ class HiddenStatesService:
                 self._record(n, extent.nbytes, stats.wire, stats.complete, started, time.perf_counter() - t_send)
 
         return Reply(headers, stream_identity(body, stats), _once(close_lease))
+
+    def _reply_lease_stream(self, window: StreamWindow, specs: list[TensorSpec], parts: list,
+                            metadata: dict[str, str], headers: dict[str, str], states: TensorSpec,
+                            session: str | None, n: int, started: float, t_send: float,
+                            http_worker: bool = False) -> Reply:
+        """The chunked lease form (hsx/wire.py LEASE_STREAM_MEDIA_TYPE): the lease head, then a
+        lease per chunk as it lands; each release gives the chunk's slot back to the worker.
+        A client that closes the response mid-sample has left it: the chunk leases it still holds
+        end then (a later release of one is a 410). An HTTP worker's do not expire; the worker
+        closes this response only once it reads no chunk any more, so they end with it too."""
+        metadata["lease"] = json.dumps({
+            "chunked": True, "arena_id": self.prefill.arena.arena_id, "dtype": states.dtype,
+            "shape": list(states.shape), "expires_in": self.settings.lease_timeout,
+        })
+        head = encode_header(specs, metadata) + b"".join(bytes(p) for p in parts)
+        headers["Content-Type"] = LEASE_STREAM_MEDIA_TYPE
+        stats = Stats()
+        leases = self.leases
+        assert leases is not None
+        granted: list[str] = []
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield head
+            stats.wire += len(head)
+            try:
+                while (chunk := await window.next_chunk()) is not None:
+                    if not leases.session_alive(session):  # the client is gone: nobody would release it
+                        window.give_back(chunk.index)
+                        return
+                    lease_id = leases.grant(ChunkLease(window, chunk), session, expires=not http_worker)
+                    self.metrics.leases.labels("granted").inc()
+                    granted.append(lease_id)
+                    line = json.dumps({"id": lease_id, "offset": chunk.offset, "nbytes": chunk.nbytes,
+                                       "tokens": [chunk.start, chunk.stop]}).encode() + b"\n"
+                    try:
+                        yield line
+                    except BaseException:  # closed: this record may never have left
+                        leases.release(lease_id, "unsent")
+                        raise
+                    stats.raw += chunk.nbytes
+                    stats.wire += len(line)
+                yield b'{"end": true}\n'
+                stats.complete = True
+            except ChunkFailed as exc:
+                yield json.dumps({"error": f"the engine did not deliver the hidden states ({exc})",
+                                  "status": 502}).encode() + b"\n"
+
+        def close() -> None:
+            if http_worker or not stats.complete:  # released already, or never to be read
+                for lease_id in granted:
+                    leases.release(lease_id, "unsent")
+            window.close()
+            self._record(n, stats.raw, stats.wire, stats.complete, started, time.perf_counter() - t_send)
+
+        return Reply(headers, stream(), _once(close))
 
     def _record(self, n: int, raw: int, wire: int, complete: bool, started: float, send_s: float,
                 work_s: float | None = None, coding: str = "identity") -> None:

@@ -51,6 +51,11 @@ class ServiceSettings(BaseSettings):
     arena_bytes: int = Field(
         4 * GiB, ge=MiB, description="Shared-memory arena for states not yet sent (bounds unsent bytes)"
     )
+    stream_window_bytes: int | None = Field(
+        None, ge=64 * 1024,
+        description="Arena bytes one request's states may hold at once; larger samples are copied and sent in "
+        "token chunks through this window (default min(arena/8, 256 MiB))",
+    )
     shm_dir: str = Field("/dev/shm", description="Directory of the shared-memory arena (a tmpfs)")
     shm_lease: bool = Field(
         True,

@@ -21,8 +21,9 @@ reads the arena range any more.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import zstandard
@@ -80,41 +81,67 @@ class _Stats:  # the protocol of response.Stats (raw, wire, complete)
     complete: bool
 
 
-async def _in_order(tasks: list[tuple[memoryview, Callable[[memoryview], bytes]]], stats: _Stats,
+Task = tuple[memoryview, Callable[[memoryview], bytes], "Callable[[], None] | None"]  # view, coder, after
+
+
+async def _listed(tasks: Iterable[Task]) -> AsyncIterator[Task]:
+    for task in tasks:
+        yield task
+
+
+async def _in_order(tasks: AsyncIterable[Task] | Iterable[tuple], stats: _Stats,
                     pool: CompressPool) -> AsyncIterator[bytes]:
     """Run `fn(view)` for each task on the pool, up to `pool.window` ahead of the
-    consumer and each holding one of the pool's global slots; yield results in order."""
+    consumer and each holding one of the pool's global slots; yield results in order.
+    A task's `after` runs once its coder has read the view (a chunked sample's slot goes
+    back); one that is never run gets it at once."""
     loop = asyncio.get_running_loop()
     running: list[asyncio.Future] = []
-    nxt = 0
+    exhausted = False
 
     def release(_fut: asyncio.Future) -> None:
         pool.slots.release()
 
-    try:
-        while nxt < len(tasks) or running:
-            while nxt < len(tasks) and len(running) < pool.window:
-                if running and pool.slots.locked():
-                    break  # the global bound is reached: send what is done first
-                await pool.slots.acquire()
-                view, fn = tasks[nxt]
-                fut = loop.run_in_executor(pool.executor, timed(stats, fn), view)
-                fut.add_done_callback(release)
-                running.append(fut)
-                stats.raw += len(view)
-                nxt += 1
-            out = await running[0]
-            running.pop(0)
-            stats.wire += len(out)
-            yield out
-        stats.complete = True
-    finally:
-        for fut in running:  # they read the arena: wait for them before it is reused
-            if not fut.done():
-                try:
-                    await asyncio.shield(fut)
-                except Exception:
-                    pass
+    if not hasattr(tasks, "__aiter__"):
+        tasks = _listed(tasks)
+    async with contextlib.aclosing(aiter(tasks)) as source:
+        try:
+            while not exhausted or running:
+                while not exhausted and len(running) < pool.window:
+                    if running and pool.slots.locked():
+                        break  # the global bound is reached: send what is done first
+                    task = await anext(source, None)
+                    if task is None:
+                        exhausted = True
+                        break
+                    view, fn, *rest = task  # (view, coder) or (view, coder, after)
+                    after = rest[0] if rest else None
+                    try:
+                        await pool.slots.acquire()
+                    except BaseException:
+                        if after is not None:
+                            after()
+                        raise
+                    fut = loop.run_in_executor(pool.executor, timed(stats, fn), view)
+                    fut.add_done_callback(release)
+                    if after is not None:
+                        fut.add_done_callback(lambda _f, after=after: after())
+                    running.append(fut)
+                    stats.raw += len(view)
+                if not running:
+                    continue
+                out = await asyncio.shield(running[0])
+                running.pop(0)
+                stats.wire += len(out)
+                yield out
+            stats.complete = True
+        finally:
+            for fut in running:  # they read the arena: wait for them before it is reused
+                if not fut.done():
+                    try:
+                        await asyncio.shield(fut)
+                    except Exception:
+                        pass
 
 
 def _pieces(view: memoryview, size: int) -> list[memoryview]:
@@ -133,11 +160,53 @@ def stream_bf16split(specs: list[TensorSpec], metadata: dict[str, str], parts: l
     meta = {**metadata, "encoding": bf16split.ENCODING, "bf16split_piece": str(PIECE)}
     header = memoryview(encode_header(specs, meta))
     small = functools.partial(_zstd_frame, pool.level)
-    tasks: list[tuple[memoryview, Callable[[memoryview], bytes]]] = [(header, small)]
-    for spec, part in zip(specs, parts):
-        view = memoryview(part).cast("B")
-        if spec.name == "hidden_states":
-            tasks += [(p, bf16split.encode_piece) for p in _pieces(view, PIECE)]
-        else:
-            tasks += [(p, small) for p in _pieces(view, PIECE)]
-    return _in_order(tasks, stats, pool)
+
+    async def tasks() -> AsyncIterator[Task]:
+        yield header, small, None
+        for spec, part in zip(specs, parts):
+            if hasattr(part, "pieces"):  # a chunked sample's states (body/response.StreamedPart)
+                async with contextlib.aclosing(_regrouped(part, PIECE)) as regrouped:
+                    async for view, after in regrouped:
+                        yield view, bf16split.encode_piece, after
+                continue
+            view = memoryview(part).cast("B")
+            coder = bf16split.encode_piece if spec.name == "hidden_states" else small
+            for p in _pieces(view, PIECE):
+                yield p, coder, None
+
+    return _in_order(tasks(), stats, pool)
+
+
+async def _regrouped(part, size: int) -> AsyncIterator[tuple[memoryview, "Callable[[], None] | None"]]:
+    """A streamed part's bytes in pieces of exactly `size` (the last shorter), as bf16split's
+    layout wants whatever the chunks: whole pieces are views of the chunk (its `done` on the
+    last), a piece across two chunks is a copy (the chunk is given back once copied)."""
+    carry = bytearray()
+    async with contextlib.aclosing(part.pieces()) as pieces:
+        async for piece, done in pieces:
+            owed = True  # `done` is still this generator's to run
+            try:
+                view = memoryview(piece).cast("B")
+                if carry:
+                    take = min(size - len(carry), len(view))
+                    carry += view[:take]
+                    view = view[take:]
+                    if len(carry) == size:
+                        yield memoryview(bytes(carry)), None
+                        carry = bytearray()
+                whole = len(view) // size * size
+                carry += view[whole:]
+                if not whole:
+                    owed = False
+                    done()
+                    continue
+                for i in range(0, whole, size):
+                    last = i + size == whole
+                    owed = not last
+                    yield view[i : i + size], done if last else None
+            except BaseException:
+                if owed:  # closed before the view carrying `done` went out: nothing reads the chunk
+                    done()
+                raise
+    if carry:
+        yield memoryview(bytes(carry)), None

@@ -12,12 +12,14 @@ holds a view of arena memory that is about to be reused. A stream, once closed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import zstandard
@@ -25,13 +27,22 @@ import zstandard
 CHUNK = 4 << 20  # bytes of input per zstd frame / per identity write
 
 
+class StreamedPart(Protocol):
+    """A part whose bytes arrive in pieces (a chunked sample's states, engine/window.py):
+    `pieces()` yields (bytes, done), in order; `done()` must run once nothing reads them."""
+
+    nbytes: int
+
+    def pieces(self) -> AsyncIterator[tuple[memoryview, Callable[[], None]]]: ...
+
+
 @dataclass
 class Body:
-    parts: list  # bytes / memoryview, in body order
+    parts: list  # bytes / memoryview / StreamedPart, in body order
 
     @property
     def nbytes(self) -> int:
-        return sum(len(p) for p in self.parts)
+        return sum(p.nbytes if hasattr(p, "pieces") else len(p) for p in self.parts)
 
     def chunks(self) -> list[memoryview]:
         out = []
@@ -40,6 +51,24 @@ class Body:
             for i in range(0, len(view), CHUNK):
                 out.append(view[i : i + CHUNK])
         return out
+
+    async def pieces(self) -> AsyncIterator[tuple[memoryview, Callable[[], None] | None]]:
+        """(CHUNK-sized view, what to run once it has been read, or None), in body order."""
+        for part in self.parts:
+            if not hasattr(part, "pieces"):
+                for view in Body([part]).chunks():
+                    yield view, None
+                continue
+            async with contextlib.aclosing(part.pieces()) as pieces:
+                async for piece, done in pieces:
+                    views = Body([piece]).chunks()
+                    try:
+                        for i, view in enumerate(views[:-1]):
+                            yield view, None
+                    except BaseException:  # closed before its last view: nothing reads the piece now
+                        done()
+                        raise
+                    yield views[-1], done
 
 
 class Stats:
@@ -76,33 +105,41 @@ def _copy_out(chunk: memoryview, last: bool) -> memoryview:
 
 async def _pipelined(body: Body, stats: Stats, step, executor: Executor | None) -> AsyncIterator:
     """Run `step(chunk, is_last)` on each chunk in a worker thread, in order, one at a
-    time (a compressor is stateful), sending chunk i while chunk i+1 is processed.
-    However it ends, it waits for the step in flight, so that once it is closed nothing
-    reads the body's memory any more."""
+    time (a compressor is stateful), sending chunk i while chunk i+1 is processed (or,
+    for a streamed part, awaited). The last step gets an empty chunk. A piece's `done`
+    runs once its step has read it. However it ends, it waits for the step in flight,
+    so that once it is closed nothing reads the body's memory any more."""
     loop = asyncio.get_running_loop()
-    chunks = body.chunks()
     pending: asyncio.Future | None = None
-    try:
-        for i, chunk in enumerate(chunks):
-            done = await pending if pending is not None else None
-            stats.raw += len(chunk)
-            pending = loop.run_in_executor(executor, timed(stats, step), chunk, i == len(chunks) - 1)
-            if done:
-                stats.wire += len(done)
-                yield done
-        if pending is not None:
-            done = await pending
-            pending = None
-            if done:
-                stats.wire += len(done)
-                yield done
-        stats.complete = True
-    finally:
-        if pending is not None and not pending.done():
-            try:
-                await asyncio.shield(pending)
-            except Exception:
-                pass
+    async with contextlib.aclosing(body.pieces()) as pieces:
+        try:
+            async for chunk, after in pieces:
+                try:  # shielded: a cancel here must not end the step while it reads the previous piece
+                    done = await asyncio.shield(pending) if pending is not None else None
+                except BaseException:
+                    if after is not None:  # this piece was never read: it is given back
+                        after()
+                    raise
+                stats.raw += len(chunk)
+                pending = loop.run_in_executor(executor, timed(stats, step), chunk, False)
+                if after is not None:
+                    pending.add_done_callback(lambda _f, after=after: after())
+                if done:
+                    stats.wire += len(done)
+                    yield done
+            for last in (False, True):  # the last piece's output, then the end (a zstd frame's epilogue)
+                done = await asyncio.shield(pending) if pending is not None else None
+                pending = None if last else loop.run_in_executor(executor, timed(stats, step), memoryview(b""), True)
+                if done:
+                    stats.wire += len(done)
+                    yield done
+            stats.complete = True
+        finally:
+            if pending is not None and not pending.done():
+                try:
+                    await asyncio.shield(pending)
+                except Exception:
+                    pass
 
 
 def stream_identity(body: Body, stats: Stats, executor: Executor | None = None) -> AsyncIterator[memoryview]:
@@ -124,7 +161,7 @@ def stream_zstd(body: Body, stats: Stats, level: int, executor: Executor | None,
 
 
 def _compress_step(cobj, chunk: memoryview, last: bool) -> bytes:
-    out = cobj.compress(chunk)
+    out = cobj.compress(chunk) if len(chunk) else b""
     if last:
         out += cobj.flush()
     return out

@@ -140,7 +140,8 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: SharedArena, notify_address: str):
+def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: SharedArena, notify_address: str,
+                        credit_address: str | None = None):
     """Validate and return (VllmConfig, ModelFacts). Raises StartupError with the reason."""
     from vllm.model_executor.models.interfaces import supports_eagle3
     from vllm.model_executor.models.registry import ModelRegistry
@@ -199,6 +200,7 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
             "arena_path": arena.path,
             "arena_size": arena.size,
             "notify_address": notify_address,
+            "credit_address": credit_address,
         },
     }
     try:

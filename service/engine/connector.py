@@ -15,6 +15,12 @@ states into the KV pages of a cache-only "draft" layer. When a request finishes:
   A small thread waits for each copy and then notifies the API process over a
   ZMQ socket; `get_finished` reports the request done so its blocks are freed.
 
+A sample larger than the API process's stream window is a *chunked save* (chunks.py):
+the worker copies token ranges into the window's free slots, notifies per chunk, reuses a
+slot when the API process credits it back, and reports the request finished (its blocks
+freed) only after its last chunk or a cancel. It never waits for a credit: each step's bind
+and `get_finished` drain the credit socket and issue what may start.
+
 Compared with vLLM's `ExampleHiddenStatesConnector` there is no file, lock file,
 safetensors serialization or read-back: one device-to-host copy into memory the
 HTTP layer sends from.
@@ -69,6 +75,7 @@ from hsx import lifeline
 from hsx.protocol import KV_PARAMS_KEY
 from hsx_service.engine import hidden_cache, vllm_compat
 from hsx_service.engine.arena import SharedArena
+from hsx_service.engine.chunks import CHUNKS_KEY, ChunkedSave, ChunkPlan, CreditBook, CreditInbox
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -93,6 +100,7 @@ class PendingSave:
     nbytes: int
     layer_index: list[int]  # positions within the captured layers, ascending
     last_step: int = -1  # the last step the request was scheduled in (-1: unknown)
+    chunks: dict | None = None  # a chunked save's ChunkPlan (chunks.py); None: the whole range
 
 
 @dataclass
@@ -121,8 +129,8 @@ class Notifier:
         self._sock.setsockopt(zmq.LINGER, 1000)
         self._sock.connect(address)
 
-    def send(self, key: str, ok: bool, error: str | None = None) -> None:
-        self._sock.send(json.dumps({"key": key, "ok": ok, "error": error}).encode())
+    def send(self, key: str, ok: bool, error: str | None = None, **extra: Any) -> None:
+        self._sock.send(json.dumps({"key": key, "ok": ok, "error": error, **extra}).encode())
 
 
 class HsxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -134,6 +142,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         self._arena_path: str = extra["arena_path"]
         self._arena_size: int = int(extra["arena_size"])
         self._notify_address: str = extra["notify_address"]
+        self._credit_address: str | None = extra.get("credit_address")
         self._group_id = self._find_group_id(kv_cache_config)
         self._block_size = (
             kv_cache_config.kv_cache_groups[self._group_id].kv_cache_spec.block_size
@@ -152,7 +161,11 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         self._is_writer = True
         self._pinned: bool | None = None
         self._copy_stream: Any = None
-        self._copies: "queue.Queue[tuple[str, Any, Any] | None]" = queue.Queue()
+        # (key, kind, event, payload): kind "whole" | "chunk" | "end" | "error"; None stops the thread.
+        self._copies: "queue.Queue[tuple[str, str, Any, Any] | None]" = queue.Queue()
+        self._book = CreditBook()  # chunked saves (chunks.py), by key
+        self._chunked: dict[str, tuple[ChunkedSave, PendingSave, torch.Tensor]] = {}  # req_id -> its save, slots
+        self._credits: CreditInbox | None = None
         # req_id -> CUDA event of its copy (None: copied synchronously).
         self._copy_events: dict[str, Any] = {}
         self._step_events: dict[int, Any] = {}  # step -> CUDA event recorded at its bind
@@ -222,7 +235,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         num_tokens = len(request.prompt_token_ids or [])
         if request.status == RequestStatus.FINISHED_ABORTED or not block_ids or request.num_computed_tokens < num_tokens:
             # Nothing complete to copy: release the arena range now.
-            self._notify().send(key, False, "aborted")
+            self._notify().send(key, False, "aborted", end=True)
             return False, None
         self._pending[request.request_id] = PendingSave(
             req_id=request.request_id,
@@ -233,6 +246,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             nbytes=int(params["nbytes"]),
             layer_index=list(params["layers"]),
             last_step=last_step,
+            chunks=params.get(CHUNKS_KEY),
         )
         return True, None
 
@@ -273,6 +287,8 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             if int(err) != 0 or not self._pinned:
                 logger.warning("hsx: cudaHostRegister gave %s, pinned=%s; copies will be slower", err, self._pinned)
             self._copy_stream = torch.cuda.Stream()
+        if self._credit_address:
+            self._credits = CreditInbox(self._credit_address)
         self._thread = threading.Thread(target=self._notify_loop, name="hsx-notify", daemon=True)
         self._thread.start()
 
@@ -299,6 +315,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             meta.started = True
             for save in meta.saves:
                 self._start_copy(save)
+        self._pump_chunks()
 
     def start_load_kv(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -339,11 +356,18 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _submit_copy(self, save: PendingSave) -> None:
         self._copy_events[save.req_id] = None
+        if save.chunks is not None:
+            try:
+                self._start_chunked(save)
+            except Exception as exc:  # a bad plan must not take the engine down
+                logger.exception("hsx: chunked save for %s failed", save.key)
+                self._copies.put((save.key, "end", None, repr(exc)))
+            return
         try:
             if self._copy_stream is None:
                 states = self._gather(save)
                 self._destination(save, states).copy_(states)
-                self._copies.put((save.key, None, None))
+                self._copies.put((save.key, "whole", None, None))
                 return
             ready = ready_event(self._step_events, save.last_step)
             if ready is None:  # everything enqueued so far: safe, possibly a step late
@@ -356,10 +380,76 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
                 done = torch.cuda.Event()
                 done.record(self._copy_stream)
             self._copy_events[save.req_id] = done
-            self._copies.put((save.key, done, states))  # keep `states` alive until the copy ends
+            self._copies.put((save.key, "whole", done, states))  # keep `states` alive until the copy ends
         except Exception as exc:  # a bad range must not take the engine down
             logger.exception("hsx: copy for %s failed", save.key)
-            self._copies.put((save.key, "error", repr(exc)))
+            self._copies.put((save.key, "error", None, repr(exc)))
+
+    # Chunked saves (chunks.py): the copies start as slots are free, from the engine's own
+    # calls (each step's bind and get_finished), never waiting for a credit there.
+    def _start_chunked(self, save: PendingSave) -> None:
+        assert self._kv_cache is not None
+        chunked = ChunkedSave(save.key, save.num_tokens, ChunkPlan.from_params(save.chunks))
+        slots = hidden_cache.slot_ids(save.block_ids, self._block_size, save.num_tokens)
+        self._chunked[save.req_id] = (chunked, save, slots)
+        self._book.add(chunked)
+        if self._copy_stream is not None:  # later chunks follow on the same stream
+            ready = ready_event(self._step_events, save.last_step)
+            if ready is None:
+                ready = torch.cuda.Event()
+                ready.record()
+            self._copy_stream.wait_event(ready)
+
+    def _pump_chunks(self) -> None:
+        if not self._chunked:
+            return
+        if self._credits is not None:
+            for msg in self._credits.drain():
+                self._book.apply(msg)
+        for req_id, (chunked, save, slots) in self._chunked.items():
+            if chunked.ended:
+                continue
+            try:
+                for index, slot, start, stop in chunked.ready():
+                    self._copy_chunk(req_id, chunked, save, slots, index, slot, start, stop)
+            except Exception as exc:  # a bad range must not take the engine down
+                logger.exception("hsx: chunk copy for %s failed", save.key)
+                chunked.cancel()
+                chunked.ended = True
+                self._copies.put((save.key, "end", None, repr(exc)))
+                continue
+            if chunked.issued_all:
+                chunked.ended = True  # after every copy it issued, in the notify thread's order
+                self._copies.put((save.key, "end", None, "cancelled" if chunked.cancelled else None))
+
+    def _copy_chunk(self, req_id: str, chunked: ChunkedSave, save: PendingSave, slots: torch.Tensor,
+                    index: int, slot: int, start: int, stop: int) -> None:
+        assert self._kv_cache is not None and self._arena is not None
+        plan = chunked.plan
+        nbytes = (stop - start) * plan.token_bytes
+        offset = plan.slots[slot]
+        info = {"chunk": index, "slot": slot}
+
+        def gather_into() -> torch.Tensor:
+            states = hidden_cache.gather(self._kv_cache, slots[start:stop], self._block_axis, save.layer_index)
+            if states.numel() * states.element_size() != nbytes:
+                raise ValueError(f"hsx: chunk states are {tuple(states.shape)}, the slot holds {nbytes} bytes")
+            dest = torch.frombuffer(self._arena.view[offset : offset + nbytes], dtype=states.dtype).view(states.shape)
+            dest.copy_(states, non_blocking=self._copy_stream is not None)
+            return states
+
+        if self._copy_stream is None:
+            gather_into()
+            self._copies.put((save.key, "chunk", None, info))
+            self._stats["bytes"] += nbytes
+            return
+        with torch.cuda.stream(self._copy_stream):
+            states = gather_into()
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._copy_events[req_id] = done  # the last one issued: get_finished waits for it
+        self._copies.put((save.key, "chunk", done, (info, states)))  # `states` lives until the copy ends
+        self._stats["bytes"] += nbytes
 
     def _notify_loop(self) -> None:
         notifier = self._notify()
@@ -367,29 +457,43 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             item = self._copies.get()
             if item is None:
                 return
-            key, event, payload = item
-            if event == "error":
+            key, kind, event, payload = item
+            if kind == "error":
                 notifier.send(key, False, str(payload))
+                continue
+            if kind == "end":  # every copy of this key issued before it has been waited for
+                notifier.send(key, payload is None, payload, end=True)
                 continue
             if event is not None:
                 t0 = time.perf_counter()
                 event.synchronize()
                 self._stats["wait_s"] += time.perf_counter() - t0
-            notifier.send(key, True)
+            if kind == "chunk":
+                info = payload[0] if isinstance(payload, tuple) else payload
+                notifier.send(key, True, None, **info)
+            else:
+                notifier.send(key, True)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.has_connector_metadata():
             self._start_saves(self._get_connector_metadata())
+        self._pump_chunks()
         # A request is done sending once its copy has landed; only the writer
         # reports, and only requests it copied (as get_finished_count says).
         self._finished.update(finished_req_ids)
         done: set[str] = set()
         for req_id in list(self._finished):
+            chunked = self._chunked.get(req_id)
+            if chunked is not None and not chunked[0].ended:
+                continue  # chunks still to copy: its blocks stay held
             if req_id in self._copy_events:
                 event = self._copy_events[req_id]
                 if event is not None and not event.query():
                     continue
                 del self._copy_events[req_id]
+                if chunked is not None:
+                    del self._chunked[req_id]
+                    self._book.drop(chunked[0].key)
                 done.add(req_id)
             self._finished.discard(req_id)
         return done or None, None

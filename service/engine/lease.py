@@ -95,6 +95,12 @@ class Leases:
         self.client_bytes_max = None if arena_bytes is None else int(arena_bytes * CLIENT_ARENA_SHARE)
         self._held: dict[str, int] = {}  # client leases per session
         self.client_bytes = 0  # arena bytes under client leases
+        self.live_sessions: Container[str] | None = None  # the arena socket's (lifecycle.py)
+
+    def session_alive(self, session: str | None) -> bool:
+        """False once a session's connection has closed (its leases were released then; one
+        granted later would wait for its expiry)."""
+        return session is None or self.live_sessions is None or session in self.live_sessions
 
     def __len__(self) -> int:
         return len(self._live)

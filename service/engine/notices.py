@@ -8,6 +8,7 @@ import json
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -24,6 +25,7 @@ class Notices:
         self.address = f"ipc://{tempfile.gettempdir()}/hsx-notify-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
         self._sock.bind(self.address)
         self._waiters: dict[str, asyncio.Future] = {}
+        self._streams: dict[str, Callable[[dict], None]] = {}  # chunked saves: every message, until "end"
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -34,9 +36,25 @@ class Notices:
         self._waiters[key] = fut
         return fut
 
+    def expect_stream(self, key: str, on_notice: Callable[[dict], None]) -> None:
+        """A chunked save (chunks.py): `on_notice` gets each of its messages, the last one
+        with "end" (or not "ok")."""
+        self._streams[key] = on_notice
+
+    def forget(self, key: str) -> None:
+        """No message will come for `key` (given up after a timeout): drop its listener."""
+        self._streams.pop(key, None)
+        self._waiters.pop(key, None)
+
     async def _run(self) -> None:
         while True:
             msg = json.loads(await self._sock.recv())
+            stream = self._streams.get(msg["key"])
+            if stream is not None:
+                if msg.get("end") or not msg.get("ok"):
+                    del self._streams[msg["key"]]
+                stream(msg)
+                continue
             fut = self._waiters.pop(msg["key"], None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -47,6 +65,9 @@ class Notices:
             if not fut.done():
                 fut.set_result({"key": None, "ok": False, "error": error})
         self._waiters.clear()
+        streams, self._streams = self._streams, {}
+        for on_notice in streams.values():
+            on_notice({"key": None, "ok": False, "error": error, "end": True})
 
     def close(self) -> None:
         if self._task is not None:

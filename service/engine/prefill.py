@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING, Any
 from hsx.dtypes import by_name as dtype_by_name
 from hsx.protocol import KV_PARAMS_KEY
 from hsx_service.engine.arena import Allocator, ArenaFull, ArenaTooSmall, Reservation, SharedArena
+from hsx_service.engine.chunks import CHUNKS_KEY, ChunkPlan, CreditSender, plan_slots
 from hsx_service.engine.config import ModelFacts, build_engine_config
 from hsx_service.engine.engine_output import ChildOutput
 from hsx_service.engine.engine_stats import EngineStats
 from hsx_service.engine import vllm_compat
 from hsx_service.engine.notices import Notices
+from hsx_service.engine.window import ChunkFailed, StreamWindow
 from hsx_service.http.errors import (BadInput, EngineFailure, EngineTimeout, Overloaded, ServiceError, StartupError,
                                     TooLarge)
 from hsx_service.settings import ServiceSettings
@@ -32,6 +34,14 @@ if TYPE_CHECKING:  # vLLM is imported when the engine starts, not with this modu
 
 log = logging.getLogger("hsx.engine")
 SELF_TEST_TIMEOUT = 120.0  # seconds the start-up self-test may take (it is the first prefill)
+DEFAULT_WINDOW_MAX = 256 << 20  # the default stream window: an eighth of the arena, at most this
+
+
+def stream_window_bytes(setting: int | None, arena_size: int) -> int:
+    """Arena bytes one request's states may hold at once (--stream-window-bytes, at most the
+    arena); larger samples are copied and sent in chunks through a window of this size."""
+    window = setting if setting is not None else min(arena_size // 8, DEFAULT_WINDOW_MAX)
+    return max(1, min(window, arena_size))
 
 
 def engine_error(exc: BaseException, timeout: float) -> ServiceError | None:
@@ -55,6 +65,8 @@ class PrefillEngine:
         self.arena: SharedArena | None = None
         self.allocator: Allocator | None = None
         self.notices: Notices | None = None
+        self.credits: CreditSender | None = None
+        self.window_bytes = 0
         self.engine: AsyncLLM | None = None
         self.facts: ModelFacts | None = None
         self.itemsize = 2
@@ -74,8 +86,10 @@ class PrefillEngine:
         self.arena = SharedArena.create(self.settings.shm_dir, self.settings.arena_bytes)
         self.allocator = Allocator(self.arena.size)
         self.notices = Notices()
+        self.credits = CreditSender(self.notices.address.replace("hsx-notify-", "hsx-credit-"))
+        self.window_bytes = stream_window_bytes(self.settings.stream_window_bytes, self.allocator.size)
         self.vllm_config, self.facts = build_engine_config(
-            self._engine_args, self.settings, self.arena, self.notices.address
+            self._engine_args, self.settings, self.arena, self.notices.address, self.credits.address
         )
         self.text_config = self.vllm_config.model_config.hf_text_config
         self.itemsize = dtype_by_name(self.facts.dtype).itemsize
@@ -132,6 +146,8 @@ class PrefillEngine:
             self.engine.shutdown()
         if self.notices is not None:
             self.notices.close()
+        if self.credits is not None:
+            self.credits.close()
         if self.arena is not None:
             self.arena.close()
 
@@ -143,12 +159,23 @@ class PrefillEngine:
         assert self.facts is not None
         return num_tokens * num_layers * self.facts.hidden_size * self.itemsize
 
-    def reserve(self, num_tokens: int, num_layers: int) -> Reservation:
-        """The arena range for one request's states. Raises Overloaded (full now) or
-        TooLarge (larger than the whole arena)."""
+    def reserve(self, num_tokens: int, num_layers: int) -> "Reservation | StreamWindow":
+        """The arena range for one request's states: the whole range when they fit the stream
+        window, else a window they pass through in chunks (chunks.py). Raises Overloaded (full
+        now) or TooLarge (larger than the whole arena)."""
         assert self.allocator is not None
+        nbytes = self.bytes_for(num_tokens, num_layers)
         try:
-            return self.allocator.reserve(self.bytes_for(num_tokens, num_layers))
+            if nbytes > self.window_bytes:
+                assert self.credits is not None
+                token_bytes = self.bytes_for(1, num_layers)
+                slots, tokens = plan_slots(self.window_bytes, token_bytes)
+                window = self.allocator.reserve(slots * tokens * token_bytes)
+                base = window.extent.offset
+                plan = ChunkPlan(tokens, tuple(base + i * tokens * token_bytes for i in range(slots)), token_bytes)
+                return StreamWindow(window, plan, num_tokens, self.credits, self.settings.request_timeout,
+                                    on_give_up=self.notices.forget if self.notices is not None else None)
+            return self.allocator.reserve(nbytes)
         except ArenaFull as exc:
             raise Overloaded(f"response memory is full ({exc}); retry shortly", reason="memory") from exc
         except ArenaTooSmall as exc:
@@ -158,8 +185,8 @@ class PrefillEngine:
             ) from exc
 
     async def extract(
-        self, token_ids: list[int], layer_index: list[int], reservation: Reservation, request_id: str,
-        timeout: float | None = None,
+        self, token_ids: list[int], layer_index: list[int], reservation: "Reservation | StreamWindow",
+        request_id: str, timeout: float | None = None,
     ) -> dict:
         """Prefill `token_ids` into the reserved range; returns the phase timings. The
         caller keeps the reservation and releases it once the states are sent. On a
@@ -169,6 +196,8 @@ class PrefillEngine:
         from vllm import SamplingParams
 
         assert self.notices is not None
+        if isinstance(reservation, StreamWindow):
+            return await self._extract_chunked(token_ids, layer_index, reservation, request_id, timeout)
         key = uuid.uuid4().hex
         notice = self.notices.expect(key)
         params = SamplingParams(
@@ -210,6 +239,50 @@ class PrefillEngine:
         if not msg["ok"]:  # the notice came: nothing writes the range, the caller frees it
             raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
         return msg["timing"]
+
+    async def _extract_chunked(self, token_ids: list[int], layer_index: list[int], window: StreamWindow,
+                               request_id: str, timeout: float | None) -> dict:
+        """`extract` of a sample larger than the stream window: returns once its first chunk
+        has landed; the caller then takes the chunks (`StreamWindow.next_chunk`) and closes the
+        window, which cancels the rest and frees it once the worker is done with it."""
+        from vllm import SamplingParams
+
+        window.key = key = uuid.uuid4().hex
+        self.notices.expect_stream(key, window.on_notice)
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, detokenize=False,
+            extra_args={"kv_transfer_params": {KV_PARAMS_KEY: {
+                "key": key, "offset": window.reservation.extent.offset, "nbytes": window.nbytes,
+                "layers": layer_index, CHUNKS_KEY: window.plan.to_params()}}},
+        )
+        self.engine_running += 1
+        prefill = asyncio.get_running_loop().create_task(self._prefill_chunked(token_ids, params, request_id, window))
+        prefill.add_done_callback(lambda t: t.cancelled() or t.exception())
+        timeout = self.settings.request_timeout if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(asyncio.shield(prefill), timeout)
+        except BaseException as exc:
+            await self.abort(request_id, prefill)
+            window.close()  # cancels the copies; the window is freed on the worker's end notice
+            if isinstance(exc, ChunkFailed):
+                raise EngineFailure(f"the engine did not deliver the hidden states ({exc})") from exc
+            answer = engine_error(exc, timeout)
+            if answer is not None:
+                raise answer from exc
+            raise
+        finally:
+            self.engine_running -= 1
+
+    async def _prefill_chunked(self, token_ids: list[int], params: Any, request_id: str,
+                               window: StreamWindow) -> dict:
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
+            pass
+        t1 = time.perf_counter()
+        await window.first()
+        return {"engine": t1 - t0, "copy": time.perf_counter() - t1}
 
     async def abort(self, request_id: str, prefill: asyncio.Task) -> None:
         """Abort a request that may not have reached the engine yet. Aborting one still

@@ -30,6 +30,7 @@ by closing their standard input (http_workers.py), which they also see if it die
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -46,7 +47,8 @@ import uvicorn
 from hsx import lifeline
 from hsx.dtypes import BY_ST
 from hsx.protocol.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, ArenaMap, SendReport, ShmUnavailable, attach
-from hsx.wire import LEASE_MEDIA_TYPE, TensorSpec, WireFormatError, check_body, lease_of
+from hsx.wire import (LEASE_MEDIA_TYPE, LEASE_STREAM_MEDIA_TYPE, LeaseStreamReader, TensorSpec, WireFormatError,
+                      check_body, lease_of)
 from hsx_service.http.admission import AdmissionGate
 from hsx_service.body.encode import encode_body
 from hsx_service.body.compress import CompressPool
@@ -72,6 +74,11 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-leng
 
 def _forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in raw if k.lower() not in HOP_BY_HOP]
+
+
+def _is_lease_stream(answer: httpx.Response) -> bool:
+    """The chunked lease form: a sample larger than the engine process's stream window."""
+    return answer.status_code == 200 and answer.headers.get("content-type") == LEASE_STREAM_MEDIA_TYPE
 
 
 def _is_lease(answer: httpx.Response) -> bool:
@@ -199,7 +206,7 @@ class HttpWorkerApp:
         if rid:
             forward["x-request-id"] = rid
         exchange = forward[EXCHANGE_HEADER] = secrets.token_hex(16)
-        work = asyncio.ensure_future(self.client.post("/hidden_states", content=body, headers=forward))
+        work = asyncio.ensure_future(self._post_states(body, forward))
         gone = await race_client(work, receive)
         if not work.done():
             # The client left. The exchange is never cut short: once the engine process has
@@ -213,6 +220,8 @@ class HttpWorkerApp:
         except httpx.TransportError as exc:
             gone.cancel()
             raise _unreachable(exc) from exc
+        if _is_lease_stream(answer):
+            return await self._send_lease_stream(answer, headers, arena, send, gone)
         if not _is_lease(answer):
             gone.cancel()  # an error (or a body the engine process sent itself): as it is
             out = _forwarded_headers(answer.headers.raw)
@@ -231,6 +240,9 @@ class HttpWorkerApp:
             answer = await work
         except httpx.HTTPError:
             return  # no answer: nothing was granted, or the engine process saw the connection fail
+        if _is_lease_stream(answer):  # closing it ends its chunk leases (the engine process's serving.py)
+            await answer.aclose()
+            return
         if not _is_lease(answer):
             return
         try:
@@ -278,6 +290,95 @@ class HttpWorkerApp:
                                     coding)
                 await asyncio.shield(self._release(lease["id"], report))
 
+    async def _post_states(self, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        """The engine process's answer: read whole, except the chunked lease form, left open
+        (its records come as the chunks land)."""
+        answer = await self.client.send(self.client.build_request("POST", "/hidden_states", content=body,
+                                                                  headers=headers), stream=True)
+        if not _is_lease_stream(answer):
+            try:
+                await answer.aread()
+            finally:
+                await answer.aclose()
+        return answer
+
+    async def _send_lease_stream(self, answer: httpx.Response, headers: dict[str, str], arena, send,
+                                 gone: asyncio.Future) -> None:
+        """The body of a chunked lease answer, from this worker's mapping of the arena: each
+        chunk is coded as its record comes and its lease released once read; closing the answer
+        (however the sending ends) ends whatever lease is left."""
+        t_send = time.perf_counter()
+        stats = Stats()
+        reader = LeaseStreamReader()
+        raw = answer.aiter_raw()
+        records: list[dict] = []
+        releases: list[asyncio.Task] = []
+
+        async def more() -> None:
+            try:
+                data = await raw.__anext__()
+            except StopAsyncIteration:
+                reader.finish()
+                raise WireFormatError("lease stream ended early") from None
+            records.extend(reader.feed(data))
+
+        def released(lease_id: str) -> None:
+            releases.append(asyncio.ensure_future(self._release(
+                lease_id, SendReport(0, 0, True, 0.0, 0.0, "identity"))))
+
+        class _Chunks:  # body/response.StreamedPart
+            def __init__(self, nbytes: int) -> None:
+                self.nbytes = nbytes
+
+            async def pieces(self):
+                while True:
+                    while not records:
+                        await more()
+                    rec = records.pop(0)
+                    if "end" in rec:
+                        return
+                    if "error" in rec:
+                        raise EngineFailure(rec["error"])
+                    yield arena.view(int(rec["offset"]), int(rec["nbytes"])), functools.partial(released, rec["id"])
+
+        try:
+            try:
+                while reader.head is None:
+                    await more()
+                lease = reader.lease
+                if lease["arena_id"] != arena.arena_id:
+                    raise WireFormatError(f"lease of arena {lease['arena_id']}, this worker maps {arena.arena_id}")
+                whole = {**lease, "offset": 0, "nbytes": TensorSpec("hidden_states", lease["dtype"],
+                                                                    tuple(lease["shape"])).nbytes}
+                specs, parts, metadata = _rebuild(reader.head, whole, None)
+                parts[0] = _Chunks(specs[0].nbytes)
+                coding = choose_coding(headers.get("accept"), headers.get("accept-encoding"),
+                                       BY_ST[lease["dtype"]].name)
+                body_headers, stream = encode_body(specs, parts, metadata, coding, stats, self.pool)
+            except (WireFormatError, KeyError, ValueError) as exc:
+                log.error("unusable lease stream from the engine process: %s", exc)
+                raise EngineFailure("the engine process answered with an unusable lease") from exc
+            out = {"x-request-id": answer.headers.get("x-request-id", ""),
+                   "x-hsx-num-tokens": answer.headers.get("x-hsx-num-tokens", ""), **body_headers}
+            try:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(k.lower().encode(), str(v).encode("latin-1")) for k, v in out.items()]})
+                async for chunk in stream:
+                    if gone.done():
+                        break
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                else:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                await stream.aclose()  # nothing reads the arena after this
+        finally:
+            gone.cancel()
+            await asyncio.sleep(0)  # the done callbacks of the last pieces run: their releases are queued
+            if releases:
+                await asyncio.shield(asyncio.gather(*releases, return_exceptions=True))
+            await answer.aclose()
+            log.debug("lease stream sent in %.3fs (%d bytes)", time.perf_counter() - t_send, stats.wire)
+
     async def _release(self, lease_id: str, report: SendReport) -> None:
         try:
             r = await self.client.delete(f"/leases/{lease_id}", headers={
@@ -316,8 +417,8 @@ def _rebuild(content: bytes, lease: dict, arena) -> tuple[list[TensorSpec], list
     header, start = check_body(content)
     view = memoryview(content)
     specs = [TensorSpec("hidden_states", lease["dtype"], tuple(lease["shape"]))]
-    parts: list = [arena.view(int(lease["offset"]), int(lease["nbytes"]))]
-    if specs[0].nbytes != len(parts[0]):
+    parts: list = [arena.view(int(lease["offset"]), int(lease["nbytes"])) if arena is not None else b""]
+    if arena is not None and specs[0].nbytes != len(parts[0]):
         raise WireFormatError(f"lease of {lease['nbytes']} bytes for states of shape {lease['shape']}")
     tensors = sorted((e["data_offsets"][0], name, e) for name, e in header.items() if name != "__metadata__")
     for lo, name, e in tensors:

@@ -30,6 +30,14 @@ async def info(request: Request):
         "max_model_len": f.max_model_len,
         "max_tokens_per_request": s.service.max_tokens,
         "vocab_size": f.vocab_size,
+        # What bounds one sample: its tokens (max_model_len) only. States larger than the stream
+        # window pass through it in token chunks; the arena bounds unsent bytes of all requests.
+        "bounds": {
+            "max_model_len": f.max_model_len,
+            "arena_bytes": s.prefill.allocator.size,
+            "stream_window_bytes": s.prefill.window_bytes,
+            "sample_bound": "max_model_len",
+        },
         "last_layer_pre_norm": True,
         "final_norm": None if norm is None else {"eps": norm.eps, "style": norm.style, "tensor": norm.tensor_name},
         "chat_template_sha256": s.service.tokenizer.template_sha256,

@@ -175,9 +175,10 @@ class FakeEngine:
     `close_lease`: its stream completed); DELETE /leases/{id} records the release and
     its X-Hsx-Sent report."""
 
-    def __init__(self, path: str, answer: bytes) -> None:
+    def __init__(self, path: str, answer: bytes, content_type: str = wire.LEASE_MEDIA_TYPE) -> None:
         self.path = path
         self.answer = answer
+        self.content_type = content_type
         self.delivered = asyncio.Event()
         self.released: dict[str, str | None] = {}
         self.server: asyncio.AbstractServer | None = None
@@ -198,7 +199,7 @@ class FakeEngine:
                 headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:] if h)}
                 await reader.readexactly(int(headers.get("content-length", "0")))
                 if method == "POST":
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + wire.LEASE_MEDIA_TYPE.encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + self.content_type.encode()
                                  + b"\r\nx-request-id: rid-7\r\nx-hsx-num-tokens: 7\r\ncontent-length: "
                                  + str(len(self.answer)).encode() + b"\r\n\r\n" + self.answer)
                     await writer.drain()
@@ -224,11 +225,11 @@ class MappedArena(FakeArena):
 
 
 @asynccontextmanager
-async def _worker(answer: bytes, arena: FakeArena):
+async def _worker(answer: bytes, arena: FakeArena, content_type: str = wire.LEASE_MEDIA_TYPE):
     """A FakeEngine answering `answer` and a HttpWorkerApp (front.py) in front of it, through
     its lifespan, its arena already mapped: (engine, app)."""
     with tempfile.TemporaryDirectory(prefix="hsx-http-worker-") as tmp:  # short: a Unix socket path
-        async with FakeEngine(os.path.join(tmp, "engine.sock"), answer) as engine:
+        async with FakeEngine(os.path.join(tmp, "engine.sock"), answer, content_type) as engine:
             app = HttpWorkerApp(ServiceSettings(), engine.path, "worker-token", threads=1)
             inbox: asyncio.Queue = asyncio.Queue()
             outbox: asyncio.Queue = asyncio.Queue()
@@ -285,6 +286,42 @@ async def test_worker_app_sends_the_engine_process_s_body_and_reports_it():
     report = SendReport.parse(engine.released[lease_id])
     assert report is not None and report.complete and report.coding == "identity"
     assert report.raw == report.wire == len(engine_body)
+
+
+def _lease_stream_reply(split_at: int = 3):
+    """The chunked lease form of _engine_reply's answer (issue 29): the head, then the states
+    as two chunk leases at two arena offsets, then the end."""
+    engine_body, answer, arena, specs, metadata = _engine_reply(True)
+    lease = wire.lease_of(answer)
+    n, row = specs[0].shape[0], specs[0].nbytes // specs[0].shape[0]
+    states = arena.data[lease["offset"] : lease["offset"] + lease["nbytes"]]
+    first, second = states[: split_at * row], states[split_at * row :]
+    data = bytearray(8192 + len(second))
+    data[0 : len(first)] = first
+    data[8192:] = second
+    head_lease = {"chunked": True, "arena_id": lease["arena_id"], "dtype": "BF16", "shape": lease["shape"],
+                  "expires_in": None}
+    ids_and_mask = answer[len(answer) - n * 9:]  # int64 ids, uint8 mask: the lease answer's data
+    head = encode_header(specs[1:], {**metadata, "lease": json.dumps(head_lease)}) + ids_and_mask
+    records = [{"id": "c0", "offset": 0, "nbytes": len(first), "tokens": [0, split_at]},
+               {"id": "c1", "offset": 8192, "nbytes": len(second), "tokens": [split_at, n]}, {"end": True}]
+    body = head + b"".join(json.dumps(r).encode() + b"\n" for r in records)
+    return engine_body, body, FakeArena(bytes(data))
+
+
+async def test_worker_app_sends_a_chunked_lease_as_the_same_body_and_releases_each_chunk():
+    engine_body, answer, arena = _lease_stream_reply()
+    async with _worker(answer, arena, wire.LEASE_STREAM_MEDIA_TYPE) as (engine, app):
+        sent = await _call(app, asyncio.Event())
+
+        async def released() -> bool:
+            return {"c0", "c1"} <= set(engine.released)
+
+        await eventually(released, 10, "the worker released each chunk's lease")
+    start, *chunks = sent
+    headers = dict(start["headers"])
+    assert start["status"] == 200 and int(headers[b"content-length"]) == len(engine_body)
+    assert b"".join(bytes(c["body"]) for c in chunks) == engine_body and not chunks[-1]["more_body"]
 
 
 async def test_a_client_leaving_as_the_lease_arrives_leaves_no_lease_held():

@@ -49,6 +49,7 @@ class StandInEngine:
         )
         self.arena = arena
         self.allocator = Allocator(arena.size)
+        self.window_bytes = arena.size  # no sample is chunked here (tests/service/test_chunked_states.py)
         self.engine_running = 0
         self.dead = False
         self.notices = None

@@ -1,0 +1,166 @@
+"""The chunked lease form (hsx/wire.py LEASE_STREAM_MEDIA_TYPE) as a SampleStream.
+
+A same-host server answers a lease request whose states exceed its stream window with the
+lease head (token ids, mask, metadata, the states' dtype and shape) and then one lease per
+chunk as it lands in the arena. Each chunk is a view of this client's read-only mapping of
+the arena: no copy. A chunk's lease is released (strictly: a 410 means the bytes may have
+been overwritten, LeaseExpiredError) as soon as the next chunk is asked for, so the server
+can copy a later chunk into its slot; the stream's memory is one HTTP line at a time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from hsx import dtypes, wire
+from hsx_client.errors import HsxError, ServerError
+from hsx_client.responses import Lease, RawResponse
+
+
+try:
+    from hsx_client.sample_stream import SampleHead, StatesChunk
+except ImportError:  # the interface module (client/sample_stream.py) comes with the client side's branch
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class SampleHead:  # type: ignore[no-redef]  # the contract's fields
+        token_ids: np.ndarray
+        loss_mask: np.ndarray | None
+        metadata: dict[str, str]
+        dtype: Any
+        shape: tuple[int, int, int]
+
+    @dataclass(frozen=True)
+    class StatesChunk:  # type: ignore[no-redef]
+        start: int
+        stop: int
+        data: memoryview
+
+
+class LeaseStream:
+    """One sample's states under chunk leases (satisfies hsx_client.sample_stream.SampleStream).
+
+    `response`: the open streamed response whose headers said LEASE_STREAM_MEDIA_TYPE;
+    `close_response`: closes it (closing it early tells the server to stop)."""
+
+    def __init__(self, client: Any, server: str, response: Any, close_response: Callable[[], Awaitable[Any]],
+                 arena: Any, request_id: str | None) -> None:
+        self._client = client
+        self._server = server
+        self._response = response
+        self._close_response = close_response
+        self._arena = arena
+        self.request_id = request_id
+        self.lease = None  # no whole lease: each chunk's is released as the next is asked for
+        self.wire_bytes = 0
+        self._raw = response.aiter_raw()
+        self._reader = wire.LeaseStreamReader()
+        self._records: deque[dict] = deque()
+        self._out: Lease | None = None  # the lease of the chunk handed out last
+        self._head: Any = None
+        self._next_token = 0
+        self._closed = False
+
+    async def _read_more(self) -> None:
+        try:
+            data = await self._raw.__anext__()
+        except StopAsyncIteration:
+            self._reader.finish()  # raises: the body ended without its end record
+            raise wire.WireFormatError("lease stream ended early") from None
+        self.wire_bytes += len(data)
+        self._records.extend(self._reader.feed(data))
+
+    async def head(self) -> Any:
+        if self._head is not None:
+            return self._head
+        while self._reader.head is None:
+            await self._read_more()
+        lease = self._reader.lease
+        if lease["arena_id"] != self._arena.arena_id:
+            raise wire.WireFormatError("the lease names another arena (server restarted?)")
+        header, start = wire.check_body(self._reader.head)
+        view = memoryview(self._reader.head)
+        arrays = {}
+        for name, e in header.items():
+            if name != "__metadata__":
+                lo, hi = e["data_offsets"]
+                arrays[name] = np.frombuffer(view[start + lo : start + hi], dtype=np.dtype(dtypes.BY_ST[e["dtype"]].name))
+        if "token_ids" not in arrays:
+            raise wire.WireFormatError("lease stream head lacks token_ids")
+        meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != "lease"}
+        import torch
+
+        shape = tuple(int(d) for d in lease["shape"])
+        if len(shape) != 3 or shape[0] != len(arrays["token_ids"]):
+            raise wire.WireFormatError(f"hidden_states {shape} does not match {len(arrays['token_ids'])} tokens")
+        self._head = SampleHead(arrays["token_ids"], arrays.get("loss_mask"), meta,
+                                getattr(torch, dtypes.BY_ST[lease["dtype"]].name), shape)
+        return self._head
+
+    async def _release_out(self, strict: bool = True) -> None:
+        lease, self._out = self._out, None
+        if lease is None:
+            return
+        try:
+            await self._client.release_lease(lease)
+        except HsxError:
+            if strict:
+                raise
+
+    async def chunks(self) -> AsyncIterator[Any]:
+        head = await self.head()
+        total, n_layers, hidden = head.shape
+        row = n_layers * hidden * dtypes.BY_ST[self._reader.lease["dtype"]].itemsize
+        while True:
+            await self._release_out()  # the previous chunk was read: its slot may take the next
+            while not self._records:
+                await self._read_more()
+            rec = self._records.popleft()
+            if "error" in rec:
+                raise ServerError(f"the server failed mid-sample: {rec['error']}", status=rec.get("status", 502),
+                                  type="engine_error", request_id=self.request_id, server=self._server)
+            if "end" in rec:
+                if self._next_token != total:
+                    raise wire.WireFormatError(f"lease stream ended at token {self._next_token} of {total}")
+                return
+            a, b = (int(t) for t in rec["tokens"])
+            self._out = Lease(rec["id"], self._server, memoryview(b""))
+            if a != self._next_token or not a < b <= total or int(rec["nbytes"]) != (b - a) * row:
+                raise wire.WireFormatError(f"lease stream chunk {rec} out of order or mis-sized")
+            self._out.states = self._arena.view(int(rec["offset"]), int(rec["nbytes"]))
+            self._next_token = b
+            yield StatesChunk(a, b, self._out.states)
+
+    async def release(self) -> None:
+        """Nothing is held once `chunks()` has ended (each lease was released on the way)."""
+        await self._release_out()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._release_out(strict=False)
+        await self._close_response()
+
+    async def collect(self) -> RawResponse:
+        """The whole sample as one body (for callers of whole responses): holds it in memory."""
+        try:
+            head = await self.head()
+            states = bytearray()
+            async for chunk in self.chunks():
+                states += chunk.data
+        finally:
+            await self.aclose()
+        header, start = wire.check_body(self._reader.head)
+        tensors = sorted((e["data_offsets"][0], name, e) for name, e in header.items() if name != "__metadata__")
+        specs = [wire.TensorSpec("hidden_states", self._reader.lease["dtype"], head.shape)]
+        parts: list = [bytes(states)]
+        for lo, name, e in tensors:
+            specs.append(wire.TensorSpec(name, e["dtype"], tuple(e["shape"])))
+            parts.append(self._reader.head[start + lo : start + e["data_offsets"][1]])
+        body = wire.encode_header(specs, {k: str(v) for k, v in head.metadata.items()}) + b"".join(parts)
+        return RawResponse(body=body, request_id=self.request_id, server=self._server, wire_bytes=self.wire_bytes)

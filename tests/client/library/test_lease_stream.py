@@ -1,0 +1,121 @@
+"""client/lease_stream.py: the chunked lease form read as a SampleStream (fast tier, fakes
+for the response, the arena and the release; the real server: tests/service/test_chunked_states.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from hsx.wire import TensorSpec, encode_header
+from hsx_client.errors import ServerError
+from hsx_client.lease_stream import LeaseStream
+
+T, L, H = 5, 2, 4
+ROW = L * H * 4
+
+
+class _Arena:
+    arena_id = "a1"
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        return memoryview(self.data)[offset : offset + nbytes]
+
+
+class _Client:
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def release_lease(self, lease) -> None:
+        self.released.append(lease.id)
+
+
+class _Response:
+    def __init__(self, body: bytes, piece: int = 7) -> None:
+        self.pieces = [body[i : i + piece] for i in range(0, len(body), piece)]
+        self.closed = False
+
+    async def aiter_raw(self):
+        for p in self.pieces:
+            yield p
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def _body(records: list[dict]) -> bytes:
+    lease = {"chunked": True, "arena_id": "a1", "dtype": "F32", "shape": [T, L, H], "expires_in": 60}
+    ids = np.arange(T, dtype=np.int64)
+    head = encode_header([TensorSpec("token_ids", "I64", (T,))], {"lease": json.dumps(lease), "m": "1"}) + ids.tobytes()
+    return head + b"".join(json.dumps(r).encode() + b"\n" for r in records)
+
+
+def _stream(records, states: np.ndarray):
+    data = bytearray(4096)
+    for r in records:
+        if "tokens" in r:
+            a, b = r["tokens"]
+            data[r["offset"] : r["offset"] + r["nbytes"]] = states[a:b].tobytes()
+    response, client = _Response(_body(records)), _Client()
+    return LeaseStream(client, "http://s", response, response.aclose, _Arena(bytes(data)), "rid"), client, response
+
+
+RECORDS = [{"id": "c0", "offset": 0, "nbytes": 3 * ROW, "tokens": [0, 3]},
+           {"id": "c1", "offset": 1024, "nbytes": 2 * ROW, "tokens": [3, 5]}, {"end": True}]
+
+
+def test_chunks_arrive_in_order_and_each_is_released_before_the_next():
+    states = np.random.default_rng(0).standard_normal((T, L, H)).astype(np.float32)
+    stream, client, response = _stream(RECORDS, states)
+
+    async def main():
+        head = await stream.head()
+        assert head.shape == (T, L, H) and head.token_ids.tolist() == list(range(T)) and head.metadata == {"m": "1"}
+        got = []
+        async for c in stream.chunks():
+            got.append((c.start, c.stop, np.frombuffer(c.data, dtype=np.float32).copy()))
+            assert client.released == ["c0"] * (c.start > 0)
+        await stream.aclose()
+        return got
+
+    got = asyncio.run(main())
+    assert [g[:2] for g in got] == [(0, 3), (3, 5)]
+    assert np.array_equal(np.concatenate([g[2] for g in got]).reshape(T, L, H), states)
+    assert client.released == ["c0", "c1"] and response.closed
+
+
+def test_collect_gives_the_whole_body():
+    from hsx.wire import decode
+
+    states = np.random.default_rng(1).standard_normal((T, L, H)).astype(np.float32)
+    stream, client, _ = _stream(RECORDS, states)
+    raw = asyncio.run(stream.collect())
+    d = decode(raw.body)
+    assert np.array_equal(d.hidden_states.numpy(), states) and d.token_ids.tolist() == list(range(T))
+    assert client.released == ["c0", "c1"]
+
+
+@pytest.mark.parametrize("records, error", [
+    ([RECORDS[0], {"error": "engine died", "status": 502}], ServerError),
+    ([RECORDS[1], RECORDS[2]], ValueError),  # out of order
+    ([RECORDS[0], {"end": True}], ValueError),  # ended short
+    ([RECORDS[0]], ValueError),  # no end record
+])
+def test_broken_streams_raise_and_release_what_is_held(records, error):
+    stream, client, response = _stream(records, np.zeros((T, L, H), dtype=np.float32))
+
+    async def main():
+        try:
+            async for _ in stream.chunks():
+                pass
+        finally:
+            await stream.aclose()
+
+    with pytest.raises(error):
+        asyncio.run(main())
+    assert response.closed and client.released in ([], ["c0"], ["c1"])
