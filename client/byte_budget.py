@@ -13,8 +13,8 @@ from pathlib import Path
 # the interpreter, torch, the page cache of the files being written and other processes.
 DEFAULT_SHARE = 0.25
 # A stream's bytes beyond its chunk buffer: the socket reader's buffer (aiohttp pauses
-# reading past 2 x 64 KiB) and a decoded zstd piece.
-STREAM_OVERHEAD = 1 << 20
+# reading past 2 x 64 KiB) and a zstd batch with its output (sample_stream.ZSTD_BATCH).
+STREAM_OVERHEAD = 2 << 20
 
 
 def _cgroup_room() -> int | None:

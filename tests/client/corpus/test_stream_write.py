@@ -142,5 +142,6 @@ def test_budget_admits_what_fits_and_one_oversized_alone():
 
 def test_chunk_size_follows_the_budget():
     assert stream_chunk_bytes(16 << 20, 2, 4 << 20) == 4 << 20
-    assert stream_chunk_bytes(16 << 20, 8, 4 << 20) == 1 << 20
+    assert stream_chunk_bytes(16 << 20, 8, 4 << 20) == 256 << 10
+    assert stream_chunk_bytes(64 << 20, 8, 4 << 20) == 4 << 20
     assert stream_chunk_bytes(1 << 20, 64, 4 << 20) == 256 << 10
