@@ -357,8 +357,13 @@ class HsxClient:
             return ServerError(f"malformed response body: {exc}", type="bad_response", request_id=resp_rid,
                                server=server.url)
 
+        def account(wire_bytes: int, body_bytes: int, seconds: float) -> None:
+            server.wire_bytes += wire_bytes
+            server.body_bytes += body_bytes
+            server.receive_s += seconds
+
         return HttpSampleStream(resp, lambda: ctx.__aexit__(None, None, None), encoding=encoding, wrap=wrap,
-                                chunk_bytes=chunk_bytes, request_id=resp_rid, server=server.url)
+                                chunk_bytes=chunk_bytes, request_id=resp_rid, server=server.url, account=account)
 
     # ------------------------------------------------------------------ HTTP
     def _wrap_transport_error(self, exc: Exception, server: ServerState, rid: str) -> HsxError:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -147,6 +148,10 @@ class BodyParser:
         self._fill = 0
         self._tail = bytearray()  # token_ids and loss_mask
         self._tail_total = 0
+
+    @property
+    def body_bytes(self) -> int:
+        return len(self._prefix) + self._states_seen + len(self._tail)
 
     @property
     def states_done(self) -> bool:
@@ -344,10 +349,13 @@ class HttpSampleStream:
     `http.stream(...)` context). Errors mid-body are the client's HsxErrors (`wrap`)."""
 
     def __init__(self, response: Any, closer: Any, *, encoding: str, wrap: Any,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, request_id: str | None = None, server: str = "") -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, request_id: str | None = None, server: str = "",
+                 account: Any = None) -> None:
         self._resp = response
         self._closer = closer
         self._wrap = wrap  # exception -> HsxError
+        self._account = account  # (wire bytes, body bytes, seconds receiving) once the body is through
+        self._t0 = time.perf_counter()
         self._parser = BodyParser(chunk_bytes)
         if response.is_stream_consumed:  # a transport that hands back read (decoded) responses: tests' fakes
             self._zstd, self._raw_iter = None, _one(response.content)
@@ -430,6 +438,8 @@ class HttpSampleStream:
                     yield c
             pieces = await self._next_pieces()
         self._head = self._parser.finish()
+        if self._account is not None:
+            self._account(self.wire_bytes, self._parser.body_bytes, time.perf_counter() - self._t0)
 
     async def head(self) -> SampleHead:
         if self._head is None:

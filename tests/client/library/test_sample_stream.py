@@ -109,9 +109,10 @@ def test_http_stream_equals_the_whole_body(encoding):
                 head = await s.head()
             finally:
                 await s.aclose()
-            return layout, bytes(got), head
+            return layout, bytes(got), head, client.stats()["http://h:1"]
 
-    layout, got, head = asyncio.run(go())
+    layout, got, head, stats = asyncio.run(go())
+    assert stats["body_bytes"] == len(body) and stats["wire_bytes"] > 0
     assert layout.shape == (9, 4, 5) and layout.row_bytes == 40
     assert got == want.hidden_states.view(torch.uint8).numpy().tobytes()
     assert np.array_equal(head.token_ids, want.token_ids)
