@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 TOKENS = 4096
 HIDDEN = 2048
-SAMPLES = 3
+SAMPLES = 2
 BUDGET = 16 << 20
 SAMPLE_BYTES = TOKENS * 4 * HIDDEN * 4  # 128 MiB
 
