@@ -297,6 +297,76 @@ class HsxClient:
         raw = await self.hidden_states_response(fields, request_id=request_id)
         return await asyncio.to_thread(raw.decode)
 
+    async def hidden_states_stream(self, body: dict[str, Any], *, request_id: str | None = None,
+                                   lease_ok: bool = False, chunk_bytes: int | None = None) -> Any:
+        """`POST /hidden_states` as a `hsx_client.sample_stream.SampleStream`: the states in
+        token chunks as they arrive, never the whole sample in memory (issue 29). Retries
+        cover the request up to its answer's headers; an error later in the body raises
+        from the stream (the caller asks again). From a same-host server (`lease_ok`) the
+        states come as a lease: one zero-copy chunk (or the server's chunked lease form).
+        Close the stream (`aclose`) however it ends."""
+        from hsx_client.sample_stream import DEFAULT_CHUNK_BYTES, WholeSampleStream
+
+        payload = _json_body(body)
+        chunk = chunk_bytes or DEFAULT_CHUNK_BYTES
+
+        async def attempt(server: ServerState, rid: str) -> Any:
+            arena = await self._arena_for(server, rid) if lease_ok and self.transfer == "auto" else None
+            if arena is not None:  # lease bodies are small: today's path, whole
+                raw = await self._post_hidden_states(server, payload, rid, arena)
+                return raw if hasattr(raw, "chunks") else WholeSampleStream(raw, self)
+            return await self._open_states_stream(server, payload, rid, chunk)
+
+        return await self._pool.with_retries(attempt, request_id or uuid.uuid4().hex)
+
+    async def _open_states_stream(self, server: ServerState, payload: bytes, rid: str, chunk_bytes: int) -> Any:
+        """The request sent and its answer's headers read; the body left to the stream."""
+        from hsx_client.sample_stream import HttpSampleStream
+
+        http = self._ensure_open()
+        compression = self._compression_for(server.url)
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": wire.MEDIA_TYPE,  # not bf16split: its split planes are not token-major
+            "Accept-Encoding": "identity" if compression == "identity" else "zstd",
+            "X-Request-Id": rid,
+        }
+        ctx = http.stream("POST", server.url + "/hidden_states", content=payload, headers=headers)
+        try:
+            resp = await ctx.__aenter__()
+        except httpx.HTTPError as exc:
+            raise self._wrap_transport_error(exc, server, rid) from exc
+        try:
+            server.answered = True
+            resp_rid = resp.headers.get("x-request-id") or rid
+            if resp.status_code != 200:
+                content = await resp.aread()
+                raise error_from_response(resp.status_code, content, resp.headers, server=server.url,
+                                          request_id=resp_rid)
+            encoding = resp.headers.get("content-encoding", "identity").strip().lower() or "identity"
+            if encoding not in ("identity", "zstd"):
+                raise ServerError(f"unexpected Content-Encoding {encoding!r}", type="bad_response",
+                                  request_id=resp_rid, server=server.url)
+        except BaseException as exc:
+            await ctx.__aexit__(None, None, None)
+            if isinstance(exc, httpx.HTTPError):
+                raise self._wrap_transport_error(exc, server, rid) from exc
+            raise
+
+        def wrap(exc: Exception) -> HsxError:
+            if isinstance(exc, httpx.HTTPError):
+                return self._wrap_transport_error(exc, server, rid)
+            return ServerError(f"malformed response body: {exc}", type="bad_response", request_id=resp_rid,
+                               server=server.url)
+
+        def account(wire_bytes: int, body_bytes: int, seconds: float) -> None:
+            server.wire_bytes += wire_bytes
+            server.body_bytes += body_bytes
+            server.receive_s += seconds
+
+        return HttpSampleStream(resp, lambda: ctx.__aexit__(None, None, None), encoding=encoding, wrap=wrap,
+                                chunk_bytes=chunk_bytes, request_id=resp_rid, server=server.url, account=account)
+
     # ------------------------------------------------------------------ HTTP
     def _wrap_transport_error(self, exc: Exception, server: ServerState, rid: str) -> HsxError:
         if isinstance(exc, httpx.ConnectTimeout):  # nothing accepted the connection in time

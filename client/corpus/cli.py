@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import re
 import textwrap
 from pathlib import Path
 
@@ -118,6 +119,10 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                         "unchanged). 1: all in this process. --concurrency-per-server is shared among "
                         "them, and bounds them (each holds a request per server) "
                         f"(default min(cores, 16), 1 on <= 2 cores: {default_workers()} here)")
+    p.add_argument("--max-buffer-bytes", type=_byte_size, metavar="BYTES",
+                   help="memory the client may hold in responses at once (e.g. 512MiB, 4GiB); requests wait for "
+                        "room. A sample streams into its file through a buffer of its own, so one larger than this "
+                        "still passes (default: a quarter of the memory available, container limit included)")
     p.add_argument("--api-key", default=env.api_key, help="bearer token (env HSX_API_KEY)")
     p.add_argument("--timeout", type=float, default=env.timeout,
                    help=f"seconds per request (default {DEFAULTS.timeout:.0f})")
@@ -130,6 +135,22 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress bars (the end summary still prints)")
     return p
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """`4GiB`, `512MiB`, `1e9`, `800MB` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.e+]+)\s*([a-zA-Z]*)\s*", text)
+    try:
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else 0
+    except (KeyError, ValueError):
+        n = 0
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size (e.g. 512MiB, 4GiB)")
+    return n
 
 
 def _env_settings() -> ClientSettings:
@@ -181,6 +202,7 @@ def extract_main(argv: list[str] | None = None) -> int:
         force_disk=args.force_disk,
         quiet=args.quiet,
         workers=args.workers,
+        max_buffer_bytes=args.max_buffer_bytes,
         handle_signals=True,
         shard=shard,
     )

@@ -94,6 +94,7 @@ class ExtractConfig:
     force_disk: bool = False
     quiet: bool = False
     write_workers: int | None = None
+    max_buffer_bytes: int | None = None  # the client's memory budget (None: hsx_client.byte_budget's default)
     workers: int = 1  # processes (hsx_client.corpus.workers); 1: the in-process loop (the CLI's default: the core count)
     handle_signals: bool = False
     shard: planning.ShardSpec | None = None  # --shard I/N: take slice I of the global plan
@@ -270,6 +271,7 @@ class Extractor:
                     client=client, fmt=fmt, ctx=ctx, out=out, settings=settings,
                     served_layers=[int(x) for x in info["layer_ids"]], keys=keys, by_key=samples.by_key,
                     manifest=manifest, failed_log=failed_log, done=done, failed=failed, progress=progress,
+                    max_buffer_bytes=cfg.max_buffer_bytes,
                 )
                 self.loop = self._loop(state, client)
                 if self._stop_reason is not None:

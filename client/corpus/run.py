@@ -3,7 +3,10 @@
     fetch   `POST /hidden_states` through HsxClient (least-loaded server, retries); a
             permanent failure is logged to failed.jsonl and the sample skipped;
     store   in a pool thread: decode, `fmt.encode_sample`, files written atomically
-            (store.write_files_atomic);
+            (store.write_files_atomic); a format that `streams` (speculators) instead gets
+            the response as a stream and writes its file as the states arrive
+            (hsx_client.corpus.stream_write), each stream admitted against the memory
+            budget (hsx_client.byte_budget, `--max-buffer-bytes`);
     record  its manifest line appended (fsync'ed): only then does the sample count. For
             states read from a same-host server's shared memory (a lease), the lease is
             released first: a 204 proves the bytes were still ours while we wrote them; a
@@ -106,6 +109,8 @@ class RunState:
     store_s: float = 0.0  # summed over samples: decode, encode, write, fsync (bench's profile)
     life_s: float = 0.0  # summed over answered samples: taken off the queue -> stored (bench's profile)
     worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # --workers: their clients' stats, summed
+    max_buffer_bytes: int | None = None  # this loop's memory budget (None: byte_budget's default)
+    stream_redos: dict[int, int] = field(default_factory=dict)  # streams cut mid-body, per sample
 
     def request_body(self, index: int) -> dict[str, Any]:
         sample = self.by_key[self.keys[index]]
@@ -200,6 +205,16 @@ class RunLoop:
         # `add` until `close_feed`; an empty queue then waits instead of ending the loop.
         self._open = open_ended
         self._more: asyncio.Event | None = None
+        # Issue 29: a format that can write a sample as it arrives gets streams, each with a
+        # chunk buffer of its own, admitted against the memory budget.
+        from hsx_client.byte_budget import ByteBudget, STREAM_OVERHEAD, default_max_buffer_bytes, stream_chunk_bytes
+        from hsx_client.sample_stream import DEFAULT_CHUNK_BYTES
+
+        self.streams = bool(getattr(state.fmt, "streams", False))
+        limit = getattr(state, "max_buffer_bytes", None) or default_max_buffer_bytes()
+        self.budget = ByteBudget(limit)
+        self.chunk_bytes = stream_chunk_bytes(limit, concurrency, DEFAULT_CHUNK_BYTES)
+        self.reserve = self.chunk_bytes + STREAM_OVERHEAD  # what one stream may hold
 
     # -------------------------------------------------------------- the feed (open-ended runs)
     def add(self, indices: list[int]) -> None:
@@ -282,6 +297,9 @@ class RunLoop:
             while not st.stopping and (st.queue or await self._wait_for_more()):
                 index = st.queue.popleft()
                 t_taken = time.perf_counter()
+                if self.streams:
+                    await self._stream_one(index, task, t_taken)
+                    continue
                 self._phase[task] = "request"
                 try:
                     raw = await self._fetch(index)
@@ -298,12 +316,103 @@ class RunLoop:
         finally:
             self._phase.pop(task, None)
 
-    async def _fetch(self, index: int) -> RawResponse | None:
-        """The response, or None: the sample failed (logged) or the run stops."""
+    async def _stream_one(self, index: int, task: asyncio.Task[Any], t_taken: float) -> None:
+        """Fetch and store one sample as a stream (hsx_client.corpus.stream_write), within the budget."""
+        st = self.state
+        self._phase[task] = "request"  # admission waits, and a stop cancels the wait
+        try:
+            await self.budget.acquire(self.reserve)
+        except asyncio.CancelledError:
+            if st.stopping:
+                return
+            raise
+        try:
+            stream = await self._fetch(index, stream=True)
+            self._phase[task] = "idle"
+            if stream is None:
+                return
+            self._phase[task] = "store"
+            try:
+                await self._store_stream(index, stream)
+            finally:
+                st.life_s += time.perf_counter() - t_taken
+        finally:
+            self._phase[task] = "idle"
+            await self.budget.release(self.reserve)
+
+    async def _store_stream(self, index: int, stream: Any) -> None:
+        from hsx_client.corpus.formats.common import CorpusFormatError
+        from hsx_client.corpus.stream_write import StreamDropped, store_stream
+        from hsx_client.sample_stream import StreamError
+
+        st = self.state
+        loop = asyncio.get_running_loop()
+
+        def blocking(fn: Callable[..., Any], *args: Any) -> Any:
+            return loop.run_in_executor(self._pool, fn, *args)
+
+        t = time.perf_counter()
+        try:
+            stored = await store_stream(st.out, st.fmt, index, stream, st.ctx, blocking)
+            release = getattr(stream, "release", None)
+            if release is not None:  # a whole lease: a 204 proves the bytes were ours while written
+                try:
+                    await release()
+                except LeaseExpiredError as exc:
+                    self._lease_expired(index, exc)
+                    return
+            entry = self._entry(index, stored.files, stored.record, int(stored.head.shape[0]),
+                                stream.request_id, stored.head.metadata)
+            await blocking(st.manifest.append, entry)
+            st.store_s += time.perf_counter() - t
+        except CorpusFormatError as exc:
+            self._fail(index, "encode", exc)
+            return
+        except StreamDropped as exc:
+            self._fail(index, DROPPED, exc)
+            return
+        except (HsxError, StreamError) as exc:  # the body broke off or came malformed: ask again
+            redos = st.stream_redos[index] = st.stream_redos.get(index, 0) + 1
+            if redos >= LEASE_REDOS:
+                self._fail(index, "server_error", exc)
+            else:
+                log.warning("sample %d: %s; requesting it again", index, exc)
+                st.queue.append(index)
+            return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # disk full, a bug: stop, resumable
+            self._stop_on(exc, f"storing failed: {exc}")
+            return
+        finally:
+            await stream.aclose()
+        st.done[index] = entry
+        written = sum(f["size"] for f in stored.files.values())
+        st.progress.sample_done(tokens=entry["tokens"], wire_bytes=getattr(stream, "wire_bytes", 0),
+                                written_bytes=written)
+        if self.hooks.on_stored is not None:
+            self.hooks.on_stored(st, index, entry)
+
+    def _entry(self, index: int, files: dict[str, Any], record: dict[str, Any], tokens: int,
+               request_id: str | None, metadata: dict[str, str]) -> dict[str, Any]:
+        st = self.state
+        entry = {"key": st.keys[index], "index": index, "files": files, "record": record, "tokens": tokens,
+                 "request_id": request_id}
+        before = int(metadata.get("num_input_tokens") or 0)
+        if before > tokens:  # the server cut it (--max-length / --truncation)
+            entry["truncated_from"] = before
+        return entry
+
+    async def _fetch(self, index: int, stream: bool = False) -> Any:
+        """The response (a SampleStream when `stream`), or None: the sample failed (logged)
+        or the run stops."""
         st = self.state
         try:
             body = st.request_body(index)
-            raw = await st.fmt.fetch(st.client, body)  # a format may ask for less than states (POST /tokenize)
+            if stream:
+                raw = await st.client.hidden_states_stream(body, lease_ok=True, chunk_bytes=self.chunk_bytes)
+            else:  # a format may ask for less than states (POST /tokenize)
+                raw = await st.fmt.fetch(st.client, body)
         except asyncio.CancelledError:
             if st.stopping:
                 return None  # abandoned: not done, redone on resume
@@ -396,18 +505,7 @@ class RunLoop:
         except Exception as exc:
             raise SampleEncodeError(f"{type(exc).__name__}: {exc}") from exc
         files = store.write_files_atomic(st.out, out.files)
-        tokens = int(len(decoded.token_ids))
-        entry = {
-            "key": st.keys[index],
-            "index": index,
-            "files": files,
-            "record": out.record,
-            "tokens": tokens,
-            "request_id": raw.request_id,
-        }
-        before = int(decoded.metadata.get("num_input_tokens") or 0)
-        if before > tokens:  # the server cut it (--max-length / --truncation)
-            entry["truncated_from"] = before
+        entry = self._entry(index, files, out.record, int(len(decoded.token_ids)), raw.request_id, decoded.metadata)
         if record:
             st.manifest.append(entry)
         return entry, sum(f["size"] for f in files.values())

@@ -171,6 +171,53 @@ def _replace_via_tmp(final: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
+class StreamedFile:
+    """One file written in order, piece by piece, as a sample's states arrive (issue 29):
+    under a temporary name (so a crash leaves no partial file under the final one, and the
+    next run's `clean_temp_files` removes it), hashed on the way in file order (the same
+    digest `write_files_atomic` records of a whole file), then fsync'ed and renamed by
+    `commit`. `abort` removes it. Calls come from one thread at a time."""
+
+    def __init__(self, root: Path, rel: str) -> None:
+        self.rel = rel
+        self.final = safe_join(Path(root), rel)
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = _tmp_name(self.final)
+        self._fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._hash = new_hash()
+        self.size = 0
+
+    def write(self, data: Buffer) -> None:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self.size += view.nbytes
+        assert self._fd is not None
+        while view:
+            n = os.write(self._fd, view[: 1 << 30])
+            view = view[n:]
+
+    def commit(self) -> dict[str, Any]:
+        """fsync, rename over the final name, fsync the directory; the file's entry."""
+        assert self._fd is not None
+        try:
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+        os.replace(self.tmp, self.final)
+        fsync_dir(self.final.parent)
+        return {"size": self.size, HASH_ALGO: self._hash.hexdigest()}
+
+    def abort(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        try:
+            self.tmp.unlink()
+        except OSError:
+            pass
+
+
 class ChecksumError(StoreError):
     pass
 

@@ -69,6 +69,7 @@ class WorkerSpec:
     corpus: dict[str, Any]  # RunState's corpus side (CORPUS_FIELDS), as the parent has it
     concurrency: int  # requests in flight in this worker, over all servers
     write_workers: int
+    max_buffer_bytes: int | None = None  # this worker's share of the run's memory budget
 
 
 # ----------------------------------------------------------------------------- the worker side
@@ -139,6 +140,7 @@ async def _work(conn: Connection, outbox: _Outbox, spec: WorkerSpec, books: dict
             client=client, **spec.corpus, by_key={},
             manifest=_LogToParent(outbox, Stored), failed_log=_LogToParent(outbox, Failed),
             done={}, failed={}, progress=_ProgressToParent(outbox),  # type: ignore[arg-type]
+            max_buffer_bytes=spec.max_buffer_bytes,
         )
         loop = RunLoop(state, concurrency=spec.concurrency, write_workers=spec.write_workers, open_ended=True)
         aloop = asyncio.get_running_loop()
@@ -370,4 +372,12 @@ def worker_spec(cfg: Any, state: RunState, *, workers: int, servers: list[str]) 
         client=cfg.client.model_copy(update={"server": servers, "concurrency_per_server": per_server}),
         corpus={f: getattr(state, f) for f in CORPUS_FIELDS}, concurrency=per_server * len(servers),
         write_workers=cfg.write_workers or max(2, math.ceil(default_write_workers() / workers)),
+        max_buffer_bytes=_share(getattr(cfg, "max_buffer_bytes", None), workers),
     )
+
+
+def _share(budget: int | None, workers: int) -> int:
+    """A worker's share of the run's memory budget (the default's, measured once here)."""
+    from hsx_client.byte_budget import default_max_buffer_bytes
+
+    return max(1, (budget or default_max_buffer_bytes()) // workers)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -106,6 +105,19 @@ def settings_from_args(args: argparse.Namespace, data_path: str) -> HsxSettings:
         max_attempts=int(getattr(args, "hsx_max_attempts", None) or DEFAULTS.max_attempts),
         transfer=transfer, layers=layer_ids, on_missing=getattr(args, "on_missing", "generate") or "generate",
     )
+
+
+async def _receive(stream: Any) -> tuple[torch.Tensor, Any]:
+    """A sample stream's states in one new tensor (each chunk copied into its rows) and its head."""
+    from hsx_client.sample_stream import states_layout
+
+    layout = await states_layout(stream)
+    hs = torch.empty(layout.shape, dtype=layout.dtype)
+    flat = hs.view(-1).view(torch.uint8).numpy()
+    row = layout.row_bytes
+    async for c in stream.chunks():
+        flat[c.start * row : c.stop * row] = np.frombuffer(c.data, dtype=np.uint8)
+    return hs, await stream.head()
 
 
 def check_sample(hs: torch.Tensor, token_ids: torch.Tensor, row_ids: np.ndarray, num_layers: int | None) -> None:
@@ -234,21 +246,27 @@ class HsxTransfer(HiddenStatesTransfer):
         if rt.layers is not None:
             body["layers"] = rt.layers
         for _ in range(_LEASE_REDOS):
-            raw = await rt.client.hidden_states_response(body, lease_ok=True)
-            try:  # copies: a leased range is reused once released, a body is read-only
-                decoded = raw.decode()
-                hs, ids = decoded.hidden_states.clone(), torch.from_numpy(decoded.token_ids.copy())
-            except BaseException:
-                if raw.lease is not None:
-                    with contextlib.suppress(HsxError):
-                        await rt.client.release_lease(raw.lease)
-                raise
-            if raw.lease is not None:
-                try:
-                    await rt.client.release_lease(raw.lease)
-                except LeaseExpiredError as exc:  # read under an expired lease: redo
-                    log.warning("row %d: %s; requesting it again", file_idx, exc)
-                    continue
+            # Streamed (issue 29): the states go from each chunk straight into the one tensor
+            # handed to the trainer (a leased range is reused once released, so one copy is
+            # needed; over HTTP the body is never held whole besides).
+            stream = await rt.client.hidden_states_stream(body, lease_ok=True)
+            try:
+                hs, head = await _receive(stream)
+                release = getattr(stream, "release", None)
+                if release is not None:  # a whole lease: a 204 proves the bytes were ours while copied
+                    try:
+                        await release()
+                    except LeaseExpiredError as exc:  # read under an expired lease: redo
+                        log.warning("row %d: %s; requesting it again", file_idx, exc)
+                        continue
+            except HsxError as exc:
+                if not exc.retryable:
+                    raise
+                log.warning("row %d: %s; requesting it again", file_idx, exc)
+                continue
+            finally:
+                await stream.aclose()
+            ids = torch.from_numpy(np.array(head.token_ids, dtype=np.int64))
             check_sample(hs, ids, row_ids, rt.num_layers)
             return {"hidden_states": hs, "token_ids": ids}
         raise LeaseExpiredError(f"the lease expired {_LEASE_REDOS} times: raise the server's --lease-timeout "

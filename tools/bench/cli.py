@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1,
                    help="(c): hsx extract --workers N (the client's worker processes; with --client-process "
                         "they are children of the client's process tree) [1: the in-process loop]")
+    p.add_argument("--max-buffer-bytes", type=int, metavar="BYTES",
+                   help="(c): hsx extract --max-buffer-bytes, the client's memory budget (split among --workers) "
+                        "[a quarter of the memory available]")
     p.add_argument("--dtype", default="bfloat16", help="engine --dtype for every mode [bfloat16]")
     p.add_argument("--max-model-len", type=int, help="engine --max-model-len [prompt length + 16]")
     p.add_argument("--enforce-eager", action="store_true", help="engine --enforce-eager (no torch.compile/graphs)")
@@ -226,6 +229,7 @@ def _run(args: argparse.Namespace, modes: list[str], workdir: Path) -> int:
         "transfer": args.transfer,
         "client_process": args.client_process,
         "workers": args.workers,
+        "max_buffer_bytes": args.max_buffer_bytes,
         "engine_flags": engine_flags,
         "server_args": args.server_arg,
         "hardware": hardware(),

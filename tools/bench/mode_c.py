@@ -136,7 +136,7 @@ def _measure_in_own_process(ctx: dict[str, Any], args: argparse.Namespace, serve
     spec_path, out_path = workdir / f"client-{name}.json", workdir / f"client-{name}.result.json"
     spec = {"ctx": ctx, "url": server.url, "server_log": str(server.log_path), "inputs": str(inputs),
             "out_dir": str(out_dir), "prompts": prompts, "transfer": transfer, "timeout": timeout,
-            "args": {k: getattr(args, k) for k in ("concurrency", "compression", "codec", "workers")}}
+            "args": {k: getattr(args, k, None) for k in ("concurrency", "compression", "codec", "workers", "max_buffer_bytes")}}
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
     log(f"(c) client in its own process tree (transfer {transfer})")
@@ -153,6 +153,7 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
                      out_dir: Path, prompts: list[list[int]], transfer: str, timeout: float) -> dict[str, Any]:
     """One timed `hsx extract` run loop (speculators corpus) against the running server:
     from the first request to the last sample recorded (RunHooks), finalize apart."""
+    from hsx_client.byte_budget import default_max_buffer_bytes
     from hsx_client.corpus.extract import ExtractConfig, run_extract
     from hsx_client.corpus.run import RunHooks
     from hsx_client.settings import ClientSettings
@@ -194,6 +195,7 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
         client=ClientSettings.given([server.url], concurrency_per_server=args.concurrency,
                                    timeout=max(600.0, timeout), compression=compression, transfer=transfer),
         output=out_dir, inputs=[str(inputs)], format="speculators", quiet=True, workers=workers,
+        max_buffer_bytes=getattr(args, "max_buffer_bytes", None) or default_max_buffer_bytes(),
     )
     log(f"(c) measuring {total} prompts x {ctx['prompt_len']} tokens, concurrency {args.concurrency}, "
         f"transfer {transfer}, coding {compression} -> {out_dir}")
@@ -233,7 +235,8 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
         "implied_life_s": args.concurrency * measured / n,
         "concurrency": args.concurrency, "workers": workers,
     }
-    res["client_memory"] = {**own_memory(), "hwm_reset_before_run": hwm_reset}
+    # max_buffer_bytes: the client's memory budget (issue 29); peak_rss: its tree's peak
+    res["client_memory"] = {**own_memory(), "hwm_reset_before_run": hwm_reset, "max_buffer_bytes": cfg.max_buffer_bytes}
     if tree is not None:  # peak_rss: the whole client (parent + workers); the parent alone kept apart
         res["client_memory"].update(parent_peak_rss=res["client_memory"]["peak_rss"],
                                     peak_rss=tree["peak_rss_sum"], tree=tree)

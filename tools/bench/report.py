@@ -61,8 +61,9 @@ def format_table(result: dict[str, Any]) -> str:
             return f"{tps:,.0f} tokens/s" + (f" = {tps / modes['a']['tokens_per_s']:.3f} of (a)" if "a" in modes else "")
 
         for t, one in (c.get("by_transfer") or {}).items():
+            cm1 = one.get("client_memory") or {}
             lines.append(f"(c) transfer {t}: {rate(one)}, wire {fmt_bytes(one['wire_bytes'])}, client peak RSS "
-                         f"{fmt_bytes((one.get('client_memory') or {}).get('peak_rss'))}")
+                         f"{fmt_bytes(cm1.get('peak_rss'))} (budget {fmt_bytes(cm1.get('max_buffer_bytes'))})")
         for t, one in (c.get("by_transfer") or {}).items():
             prof = _http_profile(t, one) if t.startswith("http") else None
             if prof:
@@ -80,7 +81,7 @@ def format_table(result: dict[str, Any]) -> str:
         cm, em = c.get("client_memory") or {}, c.get("engine_memory") or {}
         lines.append(f"(c) server: API process peak RSS {fmt_bytes(em.get('root_peak_rss'))}, whole tree "
                      f"{fmt_bytes(em.get('peak_rss_sum'))} RSS / {fmt_bytes(em.get('peak_pss_sum'))} PSS; "
-                     f"client peak RSS {fmt_bytes(cm.get('peak_rss'))}")
+                     f"client peak RSS {fmt_bytes(cm.get('peak_rss'))} (budget {fmt_bytes(cm.get('max_buffer_bytes'))})")
     parts = [f"{k.replace('_over_', '/')} = {v:.3f}" for k, v in rat.items() if v is not None]
     if parts:
         lines.append("ratios: " + ", ".join(parts))

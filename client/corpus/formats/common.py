@@ -80,6 +80,7 @@ class FormatDefaults:
     fetched as they are, no drop rule of its own."""
 
     needs_final_norm = True
+    streams = False  # True: stream_file / stream_tail write a sample as it arrives (SpeculatorsFormat)
 
     def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
         return None
@@ -184,6 +185,24 @@ def check_decoded(decoded: Decoded, ctx: CorpusContext) -> tuple[torch.Tensor, n
         raise CorpusFormatError("response has no tokens")
     ids, mask, source = check_tokens(decoded, ctx, t)
     return hs, ids, mask, source
+
+
+def check_layout(layout: Any, ctx: CorpusContext) -> None:
+    """`check_decoded`'s checks of the states, from a stream's layout (before any state
+    arrives: hsx_client.sample_stream.StatesLayout)."""
+    t, n_layers, h = layout.shape
+    if n_layers != 4 or len(ctx.layer_ids) != 4:
+        raise CorpusFormatError(
+            f"EAGLE-3 corpora need 4 layers (3 aux + last), got {n_layers} states for layer ids {ctx.layer_ids}"
+        )
+    if h != ctx.hidden_size:
+        raise CorpusFormatError(f"hidden size {h} differs from the server's {ctx.hidden_size}")
+    if ctx.dtype in dtypes.STATE_DTYPES and layout.dtype != dtypes.torch_dtype(ctx.dtype):
+        raise CorpusFormatError(f"states are {layout.dtype}, the server said {ctx.dtype}")
+    if "layer_ids" in layout.metadata and json.loads(layout.metadata["layer_ids"]) != list(ctx.layer_ids):
+        raise CorpusFormatError(f"response layers {layout.metadata['layer_ids']} differ from the run's {ctx.layer_ids}")
+    if t == 0:
+        raise CorpusFormatError("response has no tokens")
 
 
 def check_tokens(decoded: Decoded, ctx: CorpusContext, t: int | None = None) -> tuple[np.ndarray, np.ndarray, str]:

@@ -15,7 +15,7 @@ import torch
 from hsx import dtypes, wire
 from hsx_client.corpus import store
 from hsx_client.corpus.formats.common import (
-    COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded,
+    COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded, check_layout, check_tokens,
     format_json, make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
 from hsx_client.corpus.vocab import count_supervised, speculators_vocab_files
@@ -41,8 +41,11 @@ def sample_file_parts(ctx: CorpusContext, tensors: list[tuple[str, str, torch.Te
     # over its life (finalize's compaction renames it; `hsx merge` hard-links it into the
     # merged corpus under another index while the shard keeps it under its own), so an
     # index stored inside could not be true under both. Files written before carry one.
-    meta = {"format": "hsx-speculators/1", "layer_ids": json.dumps(list(ctx.layer_ids))}
-    return [wire.encode_header(specs, meta), *bufs]
+    return [wire.encode_header(specs, _file_meta(ctx)), *bufs]
+
+
+def _file_meta(ctx: CorpusContext) -> dict[str, str]:
+    return {"format": "hsx-speculators/1", "layer_ids": json.dumps(list(ctx.layer_ids))}
 
 
 class SpeculatorsFormat(Eagle3Format):
@@ -78,6 +81,25 @@ class SpeculatorsFormat(Eagle3Format):
         ids = np.ascontiguousarray(ids, dtype="<i8")
         parts = sample_file_parts(ctx, [("hidden_states", dtypes.st_code(hs.dtype), hs), ("token_ids", "I64", ids)])
         return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx))
+
+    # A sample's file written as its states arrive (hsx_client.corpus.stream_write): the same
+    # bytes as encode_sample's, in file order: the header (from the layout), the states
+    # (token-major, as they come), the token ids (known last over HTTP).
+    streams = True
+
+    def stream_file(self, index: int, layout, ctx: CorpusContext) -> tuple[str, bytes]:
+        """(the sample's file, its first bytes) for a stream of this `layout`."""
+        check_layout(layout, ctx)
+        t = layout.shape[0]
+        specs = [wire.TensorSpec("hidden_states", dtypes.st_code(layout.dtype), tuple(layout.shape)),
+                 wire.TensorSpec("token_ids", "I64", (t,))]
+        return self.hs_path(index), wire.encode_header(specs, _file_meta(ctx))
+
+    def stream_tail(self, head, ctx: CorpusContext) -> tuple[list, dict]:
+        """(the file's last bytes, the sample's record) once the head is known."""
+        ids, mask, source = check_tokens(head, ctx, head.shape[0])
+        ids = np.ascontiguousarray(ids, dtype="<i8")
+        return [ids.data], make_record(ids, mask, source, ctx)
 
     def prepare(self) -> None:
         import datasets  # noqa: F401  (finalize's table; ~1 s to import, done before the run)

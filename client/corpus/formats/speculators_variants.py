@@ -53,6 +53,8 @@ def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class SpeculatorsTokensFormat(SpeculatorsFormat):
     """speculators' table without states (`--states none`); see the module doc."""
 
+    streams = False  # no states in its files: today's whole path
+
     format_facts = {"states": "none", "train_with": "--hidden-states-backend hsx (python -m hsx_client.training.speculators_train)"}
     needs_states = False
 
@@ -103,6 +105,8 @@ class TokensResponse:
 
 class SpeculatorsFp8Format(SpeculatorsFormat):
     """speculators' corpus with fp8 states (`--dtype fp8`); see the module doc."""
+
+    streams = False  # its states are quantized from the decoded sample: today's whole path
 
     format_facts = {"stored_dtype": "float8_e4m3fn", "scales": "per token, hs_connectors fp8",
                     "train_with": "--hidden-states-backend fp8"}

@@ -1,0 +1,173 @@
+"""Issue 29, the client side, end to end: `hsx extract` with a memory budget far below one
+sample writes each sample as its states arrive, exactly, within its memory.
+
+One module server (a random Llama with hidden 2048, 4 layers, fp32, --max-model-len 4160):
+a 4096-token sample is 4096 x 4 x 2048 x 4 B = 128 MiB of states, the client's budget
+16 MiB. The client (a subprocess, so that the test runner's memory does not count) reports
+its peak RSS over its RSS once its imports are done; the same run with the whole-sample
+path (the format's streaming switched off in that subprocess only) is the comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from _e2e_helpers import CliProcess, assert_each_index_once, assert_verify_ok, cli_env, speculators_rows
+from _server import ServerProcess
+from conftest import need_vllm
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+TOKENS = 4096
+HIDDEN = 2048
+SAMPLES = 2
+BUDGET = 16 << 20
+SAMPLE_BYTES = TOKENS * 4 * HIDDEN * 4  # 128 MiB
+
+# The client under test: `hsx extract` in a process that reports its RSS (VmHWM: the peak)
+# over the RSS after its imports. HSX_TEST_WHOLE=1 takes today's whole-sample path.
+RUNNER = r"""
+import json, os, sys
+import datasets, torch, speculators  # what the run imports anyway: not the run's growth
+from hsx_client.corpus.cli import extract_main
+from hsx_client.corpus.formats.speculators import SpeculatorsFormat
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+if os.environ.get("HSX_TEST_WHOLE") == "1":
+    SpeculatorsFormat.streams = False
+base = status("VmRSS:")
+rc = extract_main(sys.argv[1:])
+with open(os.environ["HSX_TEST_RSS"], "w") as f:
+    json.dump({"rc": rc, "base": base, "peak": status("VmHWM:")}, f)
+sys.exit(rc)
+"""
+
+
+@pytest.fixture(scope="module")
+def big_server(tmp_path_factory):
+    need_vllm()
+    from hsx_tools.tiny_model import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-2048", num_layers=4,
+                            hidden_size=HIDDEN, intermediate_size=512, num_heads=16, num_kv_heads=4,
+                            max_position_embeddings=TOKENS + 256)
+    server = ServerProcess(str(model), "--dtype", "float32", "--max-model-len", str(TOKENS + 64),
+                           log_dir=tmp_path_factory.mktemp("stream-logs"), name="stream")
+    yield server.wait_ready()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def long_inputs(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(29)
+    path = tmp_path_factory.mktemp("stream-inputs") / "long.jsonl"
+    with open(path, "w") as f:
+        for _ in range(SAMPLES):
+            ids = rng.integers(5, 1000, TOKENS).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 16 + [1] * (TOKENS - 16)}) + "\n")
+    return path
+
+
+def argv(server, out: Path, inputs: Path, *extra: str) -> list[str]:
+    return ["--server", server.url, "--output", str(out), "--input", str(inputs), "--format", "speculators",
+            "--max-length", str(TOKENS), "--transfer", "http", "--workers", "1", "--quiet", "--json",
+            "--max-buffer-bytes", str(BUDGET), "--concurrency-per-server", "2", *extra]
+
+
+def run_client(args: list[str], rss_file: Path, whole: bool = False) -> dict:
+    env = {**cli_env(), "HSX_TEST_RSS": str(rss_file), "HSX_TEST_WHOLE": "1" if whole else "0"}
+    r = subprocess.run([sys.executable, "-c", RUNNER, *args], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, f"hsx extract exited {r.returncode}\n{r.stderr[-3000:]}"
+    return json.loads(rss_file.read_text())
+
+
+def whole_states(server, request: dict) -> torch.Tensor:
+    from hsx_client.api import HsxClient
+
+    async def go():
+        async with HsxClient(server.url, transfer="http", compression="none") as client:
+            d = await client.hidden_states(**request, max_length=TOKENS)
+            return d.hidden_states.clone()
+
+    return asyncio.run(go())
+
+
+def test_budget_below_one_sample_streams_exactly_within_its_memory(big_server, long_inputs, tmp_path):
+    out = tmp_path / "corpus"
+    rss = run_client(argv(big_server, out, long_inputs), tmp_path / "rss.json")
+    growth = rss["peak"] - rss["base"]
+    whole = run_client(argv(big_server, tmp_path / "whole", long_inputs), tmp_path / "rss-whole.json", whole=True)
+    whole_growth = whole["peak"] - whole["base"]
+    print(f"client peak RSS growth: streamed {growth / 2**20:.0f} MiB (budget {BUDGET >> 20} MiB), "
+          f"whole samples {whole_growth / 2**20:.0f} MiB; one sample {SAMPLE_BYTES >> 20} MiB")
+    # the states of one sample never sit in the client: well under one sample, and under a
+    # few budgets (the budget, and what finalize reads: the ids, the arrow table)
+    assert growth < 3 * BUDGET, (growth, whole_growth)
+    assert whole_growth > SAMPLE_BYTES  # the comparison holds whole samples (what this test guards)
+
+    assert_each_index_once(out, SAMPLES)
+    assert_verify_ok(out)
+    rows = speculators_rows(out, max_len=TOKENS)  # speculators' own reader, on_missing="raise"
+    assert len(rows) == SAMPLES
+    from safetensors.torch import load_file
+
+    requests = {tuple(r["input_ids"]): r for r in map(json.loads, long_inputs.read_text().splitlines())}
+    for i in range(SAMPLES):
+        f = load_file(str(out / f"hidden_states/hs_{i}.safetensors"))
+        request = requests.pop(tuple(f["token_ids"].tolist()))  # each input row once
+        # Another prefill of the same prompt (the engine's float noise: ~1e-6 apart on CPU);
+        # that the stream writes the bytes it got, exactly, tests/client/corpus/test_stream_write.py
+        # checks on identical bodies.
+        want = whole_states(big_server, request)
+        assert f["hidden_states"].shape == want.shape == (TOKENS, 4, HIDDEN)
+        torch.testing.assert_close(f["hidden_states"], want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(rows[i]["input_ids"], f["token_ids"])
+    # the whole-path corpus: the same files but for that noise (same header, ids, size)
+    for i in range(SAMPLES):
+        a = load_file(str(out / f"hidden_states/hs_{i}.safetensors"))
+        b = load_file(str(tmp_path / "whole" / f"hidden_states/hs_{i}.safetensors"))
+        assert torch.equal(a["token_ids"], b["token_ids"])
+        torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1e-4, atol=1e-4)
+
+
+def test_sigkill_mid_sample_leaves_no_partial_file_and_resumes(big_server, long_inputs, tmp_path):
+    out = tmp_path / "corpus"
+    cp = CliProcess([sys.executable, "-m", "hsx_tools.cli", "extract",
+                     *argv(big_server, out, long_inputs, "--concurrency-per-server", "1")], tmp_path / "x.log")
+    deadline = time.monotonic() + 300
+    partial = None
+    while time.monotonic() < deadline and partial is None:  # a sample's temporary file, part-written
+        for p in out.glob("hidden_states/.*hsx-tmp-*"):
+            try:
+                if 0 < p.stat().st_size < SAMPLE_BYTES // 2:
+                    partial = p
+            except FileNotFoundError:
+                pass
+        assert cp.proc.poll() is None, cp.output()[-3000:]
+        time.sleep(0.005)
+    assert partial is not None, "never saw a sample half-written"
+    assert cp.kill() == -signal.SIGKILL
+    final = partial.name.split(".hsx-tmp-")[0].lstrip(".")
+    assert not (partial.parent / final).exists(), "a partial sample is visible under its final name"
+    stored = {json.loads(x)["index"] for x in (out / "manifest.jsonl").read_text().splitlines() if x.strip()}
+    assert len(stored) < SAMPLES
+
+    r = subprocess.run([sys.executable, "-m", "hsx_tools.cli", "extract", *argv(big_server, out, long_inputs)],
+                       capture_output=True, text=True, timeout=600, env=cli_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_each_index_once(out, SAMPLES)  # also: no temporary file left
+    assert_verify_ok(out)
+    assert len(speculators_rows(out, max_len=TOKENS)) == SAMPLES
