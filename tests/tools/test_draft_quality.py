@@ -85,6 +85,20 @@ def test_regenerated_run_needs_its_chats(tmp_path):
         draft_quality.parse_args(["--out", "x.json", "--runs", "offline,regenerated"])
     a = draft_quality.parse_args(["--out", "x.json", "--regenerated", str(tmp_path / "regen.jsonl")])
     assert a.runs == ["offline", "online", "reference", "regenerated"]
+    a = draft_quality.parse_args(["--out", "x.json", "--runs", "offline", "--regenerate"])  # made by the run
+    assert a.runs == ["offline", "regenerated"] and a.regenerate and a.regenerated is None
+    with pytest.raises(SystemExit):  # made here or read from a file, not both
+        draft_quality.parse_args(["--out", "x.json", "--regenerate", "--regenerated", str(tmp_path / "r.jsonl")])
+
+
+def test_timings_survive_a_rerun(tmp_path):
+    """A run cut short by the device call's limit is continued by the next call: the first
+    call's seconds per step stay in the report."""
+    first = draft_quality.Timings(tmp_path / "timings.json")
+    first["serve_start_s"] = 41.234
+    second = draft_quality.Timings(tmp_path / "timings.json")
+    second["accept_no-draft_s"] = 30.0
+    assert draft_quality.Timings(tmp_path / "timings.json") == {"serve_start_s": 41.23, "accept_no-draft_s": 30.0}
 
 
 def test_reference_waits_for_the_connectors_write(tmp_path):
