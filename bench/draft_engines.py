@@ -130,6 +130,10 @@ def accept(cfg: dict) -> None:
 
 if __name__ == "__main__":
     import argparse
+    import signal
+
+    # a TERM (session.sh draft's own time limit) unwinds through reference()'s `finally`
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=["reference", "accept"])
