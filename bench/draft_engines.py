@@ -6,9 +6,10 @@ and accelerator memory are gone before the next step starts):
     python bench/draft_engines.py accept CONFIG.json      # acceptance of one EAGLE-3 draft
 
 `reference`: vLLM's own `extract_hidden_states` with its file connector (on CPU, hsx bench's
-synchronous twin of it) over the token table's rows, each file checked and moved into place
-exactly as speculators' `generate-offline-data` does (`check_hidden_states`, then
-`hidden_states/hs_{i}.safetensors`), so speculators' file backend reads it as its own.
+synchronous twin of it) over the token table's rows, each file waited for (its `.lock`),
+moved into place and checked exactly as speculators' `generate-offline-data` does
+(`hidden_states/hs_{i}.safetensors`, then `check_hidden_states`), so speculators' file
+backend reads it as its own.
 
 `accept`: the target served with EAGLE-3 speculative decoding and the draft, greedy, on the
 held-out prompts; vLLM's own spec-decode counters give the acceptance figures.
@@ -16,6 +17,7 @@ held-out prompts; vLLM's own spec-decode counters give the acceptance figures.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -44,6 +46,22 @@ def _shutdown(llm) -> None:
     os._exit(0)  # the stock connector's writer threads can hold interpreter exit
 
 
+def keep_states(path: str, dest: Path) -> Path:
+    """One response's states file moved to `dest`, as generate-offline-data keeps it: first
+    wait for the connector's write. The connector reports a request finished once its
+    states are out of the KV cache (the stock one: once the copy to the host is done); a
+    writer thread writes the file afterwards, holding an exclusive lock on `PATH.lock` that
+    the worker took before the path was returned. Without the wait the last rows of a
+    batch can be read before they exist."""
+    lock = f"{path}.lock"
+    if os.path.exists(lock):
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)  # sleeps until the writer releases its lock
+        os.remove(lock)
+    shutil.move(path, dest)
+    return dest
+
+
 def reference(cfg: dict) -> None:
     from datasets import load_from_disk
     from safetensors.torch import load_file
@@ -60,14 +78,15 @@ def reference(cfg: dict) -> None:
     from hsx_tools.bench.engines import with_vllm_file_path  # importable once _engine_kwargs set the path
 
     with_vllm_file_path(kw, cfg["layers"], staging)
-    llm = LLM(**kw)
-    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
-    for i, (row, o) in enumerate(zip(rows, outs)):
-        path = o.kv_transfer_params["hidden_states_path"]
-        check_hidden_states(load_file(path), row)  # what generate-offline-data checks before it keeps a file
-        shutil.move(path, out / f"hs_{i}.safetensors")
-    shutil.rmtree(staging, ignore_errors=True)
+    try:  # a failed run leaves no states in /dev/shm
+        llm = LLM(**kw)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
+        for i, (row, o) in enumerate(zip(rows, outs)):
+            kept = keep_states(o.kv_transfer_params["hidden_states_path"], out / f"hs_{i}.safetensors")
+            check_hidden_states(load_file(kept), row)  # what generate-offline-data checks in the file it keeps
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     Path(cfg["result"]).write_text(json.dumps({"rows": len(rows), "engine_kwargs": {k: str(v) for k, v in kw.items()}}))
     _shutdown(llm)
 
@@ -111,6 +130,10 @@ def accept(cfg: dict) -> None:
 
 if __name__ == "__main__":
     import argparse
+    import signal
+
+    # a TERM (session.sh draft's own time limit) unwinds through reference()'s `finally`
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=["reference", "accept"])

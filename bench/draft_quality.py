@@ -10,8 +10,10 @@ speculators' own trainer (`python -m hsx_client.training.speculators_train`) for
   reference   the same token table with states from vLLM's own `extract_hidden_states` and
               its file connector, read as speculators' `generate-offline-data` reads them
               (bench/draft_engines.py reference);
-  regenerated (with --regenerated FILE) hsx's corpus of the target's regenerated responses
-              (issue 28's output: the same chats, assistant turns written by the target).
+  regenerated (with --regenerate, or --regenerated FILE) hsx's corpus of the target's own
+              responses: the training chats with every assistant turn written again by the
+              target (`hsx regenerate` against the same `hsx serve`, greedy; or FILE, its
+              output made beforehand).
 Each draft is then served with the target through vLLM's EAGLE-3 speculative decoding,
 greedy, on held-out prompts (the first user turn of the chats after the training ones);
 the report holds mean acceptance length, acceptance rate per draft position and the loss
@@ -81,6 +83,19 @@ def prompt_ids(model: Path, template: Path, chats: list[list[dict]], max_len: in
 # ----------------------------------------------------------------------------- steps
 
 
+class Timings(dict):
+    """Seconds per step, kept in the workdir as they come: a rerun that continues a run cut
+    short (the next device call) reports the first call's steps too."""
+
+    def __init__(self, path: Path):
+        super().__init__(json.loads(path.read_text()) if path.exists() else {})
+        self.path = path
+
+    def __setitem__(self, key: str, value: float) -> None:
+        super().__setitem__(key, round(value, 2))
+        self.path.write_text(json.dumps(self, indent=1))
+
+
 def run_logged(cmd: list[str], log_path: Path, env: dict | None = None, timeout: float | None = None) -> str:
     with open(log_path, "wb") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
@@ -133,16 +148,18 @@ def train_argv(a, data: Path, save: Path, seed: int, backend: list[str]) -> list
             "--logger", "", "--log-freq", "1", "--hidden-states-dtype", a.dtype, *a.train_arg]
 
 
-def engine_child(what: str, cfg: dict, work: Path, env: dict, timeout: float) -> dict:
+def engine_child(what: str, cfg: dict, work: Path, env: dict, timeout: float, timings: dict) -> dict:
     """bench/draft_engines.py WHAT in a child process; its result is kept, so a rerun with
-    the same flags skips it."""
+    the same flags skips it. Its seconds (engine start included) go into `timings`."""
     cfg_path = work / f"{what}-{cfg['tag']}.json"
     cfg["result"] = str(work / f"{what}-{cfg['tag']}-result.json")
     if Path(cfg["result"]).exists() and cfg_path.exists() and json.loads(cfg_path.read_text()) == cfg:
         return json.loads(Path(cfg["result"]).read_text())
     cfg_path.write_text(json.dumps(cfg))
     Path(cfg["result"]).unlink(missing_ok=True)
+    t = time.monotonic()
     run_logged([sys.executable, str(ENGINES), what, str(cfg_path)], work / f"{what}-{cfg['tag']}.log", env, timeout)
+    timings[f"{what}_{cfg['tag']}_s"] = time.monotonic() - t
     return json.loads(Path(cfg["result"]).read_text())
 
 
@@ -249,6 +266,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--regenerated", type=Path, help="issue 28's regenerated chats (the same chats in the same "
                                                      "order, the target's responses): adds the `regenerated` run, "
                                                      "trained on its first --train-chats lines")
+    p.add_argument("--regenerate", action="store_true",
+                   help="adds the `regenerated` run on chats made here: `hsx regenerate` of the training chats "
+                        "against the same hsx serve (greedy, seed 0) before extracting")
+    p.add_argument("--regen-max-tokens", type=int, default=128, help="hsx regenerate --max-tokens (per turn)")
     p.add_argument("--runs", default="offline,online,reference", help=f"which of {','.join(RUNS)}")
     p.add_argument("--layers", default="1,2,4,5", help="served layer ids; the last is the verifier's")
     p.add_argument("--dtype", default="float32")
@@ -276,11 +297,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, help="PNG (default: --out with .png)")
     a = p.parse_args(argv)
     a.runs = [r for r in a.runs.split(",") if r]
-    if a.regenerated and "regenerated" not in a.runs:
+    if a.regenerated and a.regenerate:
+        p.error("--regenerate makes the regenerated chats; --regenerated FILE reads them: one or the other")
+    if (a.regenerated or a.regenerate) and "regenerated" not in a.runs:
         a.runs.append("regenerated")
     bad = set(a.runs) - set(RUNS)
-    if bad or ("regenerated" in a.runs and not a.regenerated):
-        p.error(f"--runs: {sorted(bad) or 'regenerated needs --regenerated FILE'}")
+    if bad or ("regenerated" in a.runs and not (a.regenerated or a.regenerate)):
+        p.error(f"--runs: {sorted(bad) or 'regenerated needs --regenerate or --regenerated FILE'}")
     a.seeds = [int(s) for s in a.seeds.split(",")]
     return a
 
@@ -305,10 +328,12 @@ def main(argv: list[str]) -> int:
     engine_flags = ["--dtype", a.dtype, *a.engine_arg]
     corpus = {"offline": work / "corpus-offline", "online": work / "corpus-tokens",
               "reference": work / "corpus-reference", "regenerated": work / "corpus-regenerated"}
-    timings: dict[str, float] = {}
+    timings = Timings(work / "timings.json")
     report: dict[str, Any] = {
         "label": a.label or "hsx draft quality", "model": str(a.model), "chats": str(a.chats),
-        "regenerated": str(a.regenerated) if a.regenerated else None, "train_chats": a.train_chats,
+        "regenerated": str(a.regenerated) if a.regenerated else (
+            f"hsx regenerate here: greedy, --max-tokens {a.regen_max_tokens}" if a.regenerate else None),
+        "train_chats": a.train_chats,
         "heldout_prompts": len(prompts), "max_tokens": a.max_tokens, "layers": a.layers, "dtype": a.dtype,
         "steps": a.steps, "seeds": a.seeds, "total_seq_len": a.total_seq_len,
         "draft_vocab_size": a.draft_vocab_size, "num_speculative_tokens": a.num_speculative_tokens,
@@ -318,10 +343,11 @@ def main(argv: list[str]) -> int:
     }
     wanted = [(n, chats, x) for n, x in (("offline", []), ("online", ["--states", "none"]))
               if n in a.runs or (n == "online" and "reference" in a.runs)]
-    if "regenerated" in a.runs:  # its first --train-chats lines: the held-out chats stay out of training
+    regen = work / "train-regenerated.jsonl"
+    if a.regenerated:  # its first --train-chats lines: the held-out chats stay out of training
         regen_lines, _ = split_chats(a.regenerated, a.train_chats, 0)
-        regen = work / "train-regenerated.jsonl"
         regen.write_text("\n".join(regen_lines) + "\n")
+    if "regenerated" in a.runs:
         wanted.append(("regenerated", regen, []))
     wanted = [w for w in wanted if not (corpus[w[0]] / "hsx_corpus.json").exists()]  # a rerun keeps corpora
     online_done = all((work / f"train-online-s{seed}.json").exists() for seed in a.seeds)
@@ -349,16 +375,28 @@ def main(argv: list[str]) -> int:
                 if (save / "interrupted").exists() or len(curve) < a.steps:  # a SIGTERM'd trainer exits 0
                     raise SystemExit(f"training {name} seed {seed} stopped after {len(curve)} of {a.steps} steps "
                                      f"(interrupted?): see {work / f'train-{name}-s{seed}.log'}")
+                timings[f"train_{name}_s{seed}_s"] = time.monotonic() - t
                 done.write_text(json.dumps({"steps_done": len(curve), "loss_curve": curve,
                                             "train_s": time.monotonic() - t, "draft": str(last_checkpoint(save))}))
             trained.setdefault(name, {})[seed] = json.loads(done.read_text())
 
     try:
         if server:
+            t = time.monotonic()
             server.wait_ready(1800)
+            timings["serve_start_s"] = time.monotonic() - t
         extract = [sys.executable, "-m", "hsx_tools.cli", "extract", "--server", url, "--quiet", "--format",
                    "speculators", "--max-length", str(a.max_length), "--truncation", "left",
                    "--draft-vocab-size", str(a.draft_vocab_size)]
+        if a.regenerate and any(w[0] == "regenerated" for w in wanted) and not regen.exists():
+            log("hsx regenerate: the training chats' assistant turns by the target ...")
+            t = time.monotonic()
+            made = work / "regenerated.jsonl"  # hsx regenerate resumes its own journal after a kill
+            run_logged([sys.executable, "-m", "hsx_tools.cli", "regenerate", "--server", url, "--quiet", "--json",
+                        "--input", str(chats), "--output", str(made), "--max-tokens", str(a.regen_max_tokens),
+                        "--seed", "0"], work / "regenerate.log", env)
+            made.rename(regen)  # in place only once complete: a rerun extracts it, or regenerates
+            timings["regenerate_s"] = time.monotonic() - t
         for name, src, extra in wanted:  # the token table is also the reference's
             log(f"hsx extract: {corpus[name].name} ...")
             t = time.monotonic()
@@ -375,11 +413,9 @@ def main(argv: list[str]) -> int:
         tmp = corpus["reference"].with_name("corpus-reference.partial")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(corpus["online"], tmp, ignore=shutil.ignore_patterns("hsx_*.json"))
-        t = time.monotonic()
         engine_child("reference", {"tag": "corpus", "model": str(a.model), "engine_flags": engine_flags,
                                    "layers": [int(x) for x in a.layers.split(",")], "table": str(tmp),
-                                   "out": str(tmp)}, work, env, 3600)
-        timings["extract_reference_s"] = time.monotonic() - t
+                                   "out": str(tmp)}, work, env, 3600, timings)
         tmp.rename(corpus["reference"])
     if "offline" in a.runs and "reference" in a.runs:
         report["states_offline_vs_reference"] = compare_states(corpus["offline"], corpus["reference"])
@@ -393,11 +429,11 @@ def main(argv: list[str]) -> int:
         f"{a.num_speculative_tokens} speculative tokens ...")
     base = {"model": str(a.model), "engine_flags": engine_flags, "prompts": prompts, "max_tokens": a.max_tokens,
             "num_speculative_tokens": a.num_speculative_tokens}
-    plain = engine_child("accept", {**base, "tag": "no-draft"}, work, env, 1800)["outputs"]
+    plain = engine_child("accept", {**base, "tag": "no-draft"}, work, env, 1800, timings)["outputs"]
     for name in a.runs:
         for seed, r in trained[name].items():
             got = engine_child("accept", {**base, "tag": f"{name}-s{seed}", "draft": r["draft"], "seed": seed},
-                               work, env, 1800)
+                               work, env, 1800, timings)
             # greedy: speculative decoding must not change the target's tokens
             got["same_tokens_as_without_draft"] = got.pop("outputs") == plain
             r["acceptance"] = got
@@ -409,7 +445,7 @@ def finish(a: argparse.Namespace, report: dict, trained: dict[str, dict[int, dic
            t_start: float) -> int:
     report["runs"] = {name: {str(s): r for s, r in trained[name].items()} for name in a.runs}
     report["summary"] = summarize(trained)
-    report["timings"] = {**timings, "total_s": time.monotonic() - t_start}
+    report["timings"] = {**timings, "this_call_s": time.monotonic() - t_start}  # the steps: every call's
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
     why = plot(report, a.plot or a.out.with_suffix(".png"))

@@ -209,10 +209,13 @@ bench)
     ;;
 draft)
     # Issue 30: the same EAGLE-3 draft trained by speculators on hsx's offline corpus, hsx's online
-    # backend and vLLM's own extract_hidden_states files, two seeds each, then served with the
-    # target (stories260K, the fixture chats) through vLLM's EAGLE-3 speculative decoding on
-    # held-out prompts (bench/draft_quality.py). Rerunnable: a second call continues in
-    # /tmp/draftq where the first ran out of time.
+    # backend, vLLM's own extract_hidden_states files and the target's regenerated chats (hsx
+    # regenerate), two seeds each, then served with the target (stories260K, the fixture chats)
+    # through vLLM's EAGLE-3 speculative decoding on held-out prompts (bench/draft_quality.py).
+    # Rerunnable: a second call continues in /tmp/draftq where the first ran out of time. It
+    # stops itself DRAFT_CALL_S (default 570) seconds after the call's shell started (the
+    # kit's assembly in the same call included), so its logs land in $OUT before the call's
+    # limit; exit 124 then means "call it again".
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
     for w in online draft; do  # stashed by the stash calls that carried .whl/online and .whl/draft
@@ -224,12 +227,24 @@ draft)
     export PYTHONPATH=$PYTHONPATH:/tmp/site-online:/tmp/site-draft
     fx=/tmp/gpufix
     rc=0
+    # the call's time already spent: its shell's age (the kit's assembly before this step), when
+    # the parent is that shell; else nothing is counted (a long-lived runner is no call)
+    spent=0
+    if [[ "$(ps -o comm= -p $PPID 2>/dev/null)" =~ ^(bash|sh|dash)$ ]]; then
+        spent=$(ps -o etimes= -p $PPID | tr -d " ") || spent=0
+        [ "${spent:-0}" -lt 600 ] 2>/dev/null || spent=0
+    fi
+    left=$(( ${DRAFT_CALL_S:-570} - ${spent:-0} ))
+    mkdir -p "$out"
+    # timeout signals the whole process group: the trainers and engines stop with the driver.
     # shellcheck disable=SC2086
-    python3 bench/draft_quality.py --model "$fx/stories260K" --chats "$fx/threads.messages.jsonl" \
-        --template "$fx/llama3.jinja" --workdir /tmp/draftq --engine-arg=--gpu-memory-utilization=0.3 \
-        --engine-arg=--enforce-eager --label "H200, vLLM $ver: stories260K, OASST threads" ${DRAFT_ARGS:-} \
-        --out "$out/draft-quality-h200-$ver.json" 2>&1 | tee "$out/draft-quality-h200-$ver.log" || rc=$?
-    cp /tmp/draftq/*.log "$out/" 2>/dev/null || true  # each step's own log, for a failure
+    timeout -k 20 $((left > 60 ? left : 60)) python3 bench/draft_quality.py --model "$fx/stories260K" \
+        --chats "$fx/threads.messages.jsonl" --template "$fx/llama3.jinja" --workdir /tmp/draftq --regenerate \
+        --engine-arg=--gpu-memory-utilization=0.3 --engine-arg=--enforce-eager \
+        --label "H200, vLLM $ver: stories260K, OASST threads" ${DRAFT_ARGS:-} \
+        --out "$out/draft-quality-h200-$ver.json" 2>&1 | tee -a "$out/draft-quality-h200-$ver.log" || rc=$?
+    cp /tmp/draftq/*.log /tmp/draftq/timings.json "$out/" 2>/dev/null || true  # each step's own log, for a failure
+    [ "$rc" = 124 ] && echo "session.sh draft: out of this call's time; call it again (continues in /tmp/draftq)" >&2
     exit $rc
     ;;
 bench17)

@@ -13,9 +13,13 @@ on CPU (bench/README.md). The fast tests cover the report's arithmetic.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -81,6 +85,45 @@ def test_regenerated_run_needs_its_chats(tmp_path):
         draft_quality.parse_args(["--out", "x.json", "--runs", "offline,regenerated"])
     a = draft_quality.parse_args(["--out", "x.json", "--regenerated", str(tmp_path / "regen.jsonl")])
     assert a.runs == ["offline", "online", "reference", "regenerated"]
+    a = draft_quality.parse_args(["--out", "x.json", "--runs", "offline", "--regenerate"])  # made by the run
+    assert a.runs == ["offline", "regenerated"] and a.regenerate and a.regenerated is None
+    with pytest.raises(SystemExit):  # made here or read from a file, not both
+        draft_quality.parse_args(["--out", "x.json", "--regenerate", "--regenerated", str(tmp_path / "r.jsonl")])
+
+
+def test_timings_survive_a_rerun(tmp_path):
+    """A run cut short by the device call's limit is continued by the next call: the first
+    call's seconds per step stay in the report."""
+    first = draft_quality.Timings(tmp_path / "timings.json")
+    first["serve_start_s"] = 41.234
+    second = draft_quality.Timings(tmp_path / "timings.json")
+    second["accept_no-draft_s"] = 30.0
+    assert draft_quality.Timings(tmp_path / "timings.json") == {"serve_start_s": 41.23, "accept_no-draft_s": 30.0}
+
+
+def test_reference_waits_for_the_connectors_write(tmp_path):
+    """vLLM's file connector reports a request finished once its states are out of the KV
+    cache; a writer thread writes the file after that and then releases the exclusive lock
+    on `PATH.lock` that the worker took before the path was returned (the stock connector's
+    protocol, its CPU twin's too). A reader that takes the file at once finds none: the
+    reference step stopped with FileNotFoundError on a two-row table."""
+    path = tmp_path / "0-abc.safetensors"
+    lock_fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # the worker, before the client gets the path
+
+    def write():  # the connector's writer thread: the file, then the lock released
+        time.sleep(0.3)
+        path.write_bytes(b"states")
+        os.close(lock_fd)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        kept = draft_engines.keep_states(str(path), tmp_path / "hs_0.safetensors")
+    finally:
+        writer.join()
+    assert kept.read_bytes() == b"states"
+    assert not path.exists() and not Path(f"{path}.lock").exists()  # moved, and the lock file gone with it
 
 
 @pytest.mark.slow  # importing datasets takes seconds
