@@ -21,24 +21,7 @@ from hsx_client.errors import HsxError, ServerError
 from hsx_client.responses import Lease, RawResponse
 
 
-try:
-    from hsx_client.sample_stream import SampleHead, StatesChunk
-except ImportError:  # the interface module (client/sample_stream.py) comes with the client side's branch
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class SampleHead:  # type: ignore[no-redef]  # the contract's fields
-        token_ids: np.ndarray
-        loss_mask: np.ndarray | None
-        metadata: dict[str, str]
-        dtype: Any
-        shape: tuple[int, int, int]
-
-    @dataclass(frozen=True)
-    class StatesChunk:  # type: ignore[no-redef]
-        start: int
-        stop: int
-        data: memoryview
+from hsx_client.sample_stream import SampleHead, StatesChunk
 
 
 class LeaseStream:

@@ -111,6 +111,35 @@ def stories_server(log_dir):
     server.stop()
 
 
+# Issue 29's long samples: a 4096-token prompt on this model (hidden 2048, fp32, 4 layers: the
+# default ids 1..4, what a speculators corpus needs) is 128 MiB of states; the server's 8 MiB arena (a 1 MiB stream window) is far below one
+# sample, so every such sample is copied and sent in token chunks. Shared by the server-side
+# tests (tests/service/test_chunked_states.py) and the client's (tests/e2e/test_stream_extract_e2e.py).
+WIDE_TOKENS = 4096
+WIDE_VOCAB = 512
+WIDE_ARENA = 8 << 20
+
+
+@pytest.fixture(scope="session")
+def wide_model(tmp_path_factory) -> Path:
+    from hsx_tools.tiny_model import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("models") / "wide-llama", num_layers=4, hidden_size=2048,
+                           intermediate_size=512, num_heads=16, num_kv_heads=4, vocab_size=WIDE_VOCAB,
+                           max_position_embeddings=8192, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def chunk_server(wide_model, log_dir):
+    need_vllm()
+    server = ServerProcess(str(wide_model), "--dtype", "float32", "--max-model-len", str(WIDE_TOKENS + 64),
+                           "--arena-bytes", str(WIDE_ARENA), "--max-num-seqs", "8",
+                           # a repeated input is computed again, not partly from the prefix cache
+                           "--no-enable-prefix-caching", log_dir=log_dir, name="chunked")
+    yield server.wait_ready()
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def e2e_pool(tmp_path_factory):
     """The end-to-end servers (tests/_e2e_helpers.ServerPool: fp32 stories260K, layers

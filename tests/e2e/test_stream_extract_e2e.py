@@ -1,8 +1,9 @@
 """Issue 29, the client side, end to end: `hsx extract` with a memory budget far below one
 sample writes each sample as its states arrive, exactly, within its memory.
 
-One module server (a random Llama with hidden 2048, 4 layers, fp32, --max-model-len 4160):
-a 4096-token sample is 4096 x 4 x 2048 x 4 B = 128 MiB of states, the client's budget
+The session's `chunk_server` (tests/conftest.py: a random Llama with hidden 2048, 4 layers,
+fp32, an 8 MiB arena): a 4096-token sample is 4096 x 4 x 2048 x 4 B = 128 MiB of states, so
+the server sends it in chunks too (over HTTP and as chunk leases), and the client's budget is
 16 MiB. The client (a subprocess, so that the test runner's memory does not count) reports
 its peak RSS over its RSS once its imports are done; the same run with the whole-sample
 path (the format's streaming switched off in that subprocess only) is the comparison.
@@ -24,16 +25,16 @@ import pytest
 import torch
 
 from _e2e_helpers import CliProcess, assert_each_index_once, assert_verify_ok, cli_env, speculators_rows
-from _server import ServerProcess
-from conftest import need_vllm
+from conftest import WIDE_TOKENS, WIDE_VOCAB
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-TOKENS = 4096
+TOKENS = WIDE_TOKENS
 HIDDEN = 2048
+LAYERS = 4  # the server's default ids of a 4-layer model: 1..4
 SAMPLES = 2
 BUDGET = 16 << 20
-SAMPLE_BYTES = TOKENS * 4 * HIDDEN * 4  # 128 MiB
+SAMPLE_BYTES = TOKENS * LAYERS * HIDDEN * 4  # 128 MiB
 
 # The client under test: `hsx extract` in a process that reports its RSS (VmHWM: the peak)
 # over the RSS after its imports. HSX_TEST_WHOLE=1 takes today's whole-sample path.
@@ -56,18 +57,9 @@ sys.exit(rc)
 """
 
 
-@pytest.fixture(scope="module")
-def big_server(tmp_path_factory):
-    need_vllm()
-    from hsx_tools.tiny_model import make_tiny_llama
-
-    model = make_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-2048", num_layers=4,
-                            hidden_size=HIDDEN, intermediate_size=512, num_heads=16, num_kv_heads=4,
-                            max_position_embeddings=TOKENS + 256)
-    server = ServerProcess(str(model), "--dtype", "float32", "--max-model-len", str(TOKENS + 64),
-                           log_dir=tmp_path_factory.mktemp("stream-logs"), name="stream")
-    yield server.wait_ready()
-    server.stop()
+@pytest.fixture
+def big_server(chunk_server):
+    return chunk_server
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +68,14 @@ def long_inputs(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("stream-inputs") / "long.jsonl"
     with open(path, "w") as f:
         for _ in range(SAMPLES):
-            ids = rng.integers(5, 1000, TOKENS).tolist()
+            ids = rng.integers(5, WIDE_VOCAB, TOKENS).tolist()
             f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 16 + [1] * (TOKENS - 16)}) + "\n")
     return path
 
 
-def argv(server, out: Path, inputs: Path, *extra: str) -> list[str]:
+def argv(server, out: Path, inputs: Path, *extra: str, transfer: str = "http") -> list[str]:
     return ["--server", server.url, "--output", str(out), "--input", str(inputs), "--format", "speculators",
-            "--max-length", str(TOKENS), "--transfer", "http", "--workers", "1", "--quiet", "--json",
+            "--max-length", str(TOKENS), "--transfer", transfer, "--workers", "1", "--quiet", "--json",
             "--max-buffer-bytes", str(BUDGET), "--concurrency-per-server", "2", *extra]
 
 
@@ -105,9 +97,10 @@ def whole_states(server, request: dict) -> torch.Tensor:
     return asyncio.run(go())
 
 
-def test_budget_below_one_sample_streams_exactly_within_its_memory(big_server, long_inputs, tmp_path):
+@pytest.mark.parametrize("transfer", ["http", "auto"])  # auto: same host, so the server's chunk leases
+def test_budget_below_one_sample_streams_exactly_within_its_memory(big_server, long_inputs, tmp_path, transfer):
     out = tmp_path / "corpus"
-    rss = run_client(argv(big_server, out, long_inputs), tmp_path / "rss.json")
+    rss = run_client(argv(big_server, out, long_inputs, transfer=transfer), tmp_path / "rss.json")
     growth = rss["peak"] - rss["base"]
     whole = run_client(argv(big_server, tmp_path / "whole", long_inputs), tmp_path / "rss-whole.json", whole=True)
     whole_growth = whole["peak"] - whole["base"]
@@ -132,7 +125,7 @@ def test_budget_below_one_sample_streams_exactly_within_its_memory(big_server, l
         # that the stream writes the bytes it got, exactly, tests/client/corpus/test_stream_write.py
         # checks on identical bodies.
         want = whole_states(big_server, request)
-        assert f["hidden_states"].shape == want.shape == (TOKENS, 4, HIDDEN)
+        assert f["hidden_states"].shape == want.shape == (TOKENS, LAYERS, HIDDEN)
         torch.testing.assert_close(f["hidden_states"], want, rtol=1e-4, atol=1e-4)
         assert torch.equal(rows[i]["input_ids"], f["token_ids"])
     # the whole-path corpus: the same files but for that noise (same header, ids, size)

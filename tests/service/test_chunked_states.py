@@ -1,11 +1,11 @@
 """Issue 29: a sample whose states exceed the server's stream window (and its whole arena) is
 copied and sent in token chunks, exactly, on a real engine: an 8 MiB arena (a 1 MiB window)
-and a 4096-token prompt on a model with hidden 2048 in fp32: about 100 MB of states.
+and a 4096-token prompt on a model with hidden 2048 (4 layers) in fp32: 128 MiB of states.
 
 Over HTTP (identity, zstd) and the chunked lease form (client/lease_stream.py), a client
 leaving mid-sample (HTTP or lease) frees the window and the request's blocks, and many large
-and small samples at once. One server for the module (its arena is what is under test); the
-transformers reference is computed once.
+and small samples at once. The server is the session's `chunk_server` (tests/conftest.py; the
+client's streaming tests share it); the transformers reference is computed once.
 """
 
 from __future__ import annotations
@@ -21,34 +21,14 @@ import zstandard
 
 from _reference import reference_states, rel_err
 from _server import ServerProcess, wait_until
-from conftest import need_vllm
+from conftest import WIDE_ARENA, WIDE_TOKENS, WIDE_VOCAB
 from hsx.wire import decode, parse_header
 
 pytestmark = pytest.mark.engine
 
-TOKENS = 4096
-ARENA = 8 << 20
-VOCAB = 512
-
-
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory):
-    from hsx_tools.tiny_model import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("models") / "wide-llama", num_layers=2, hidden_size=2048,
-                           intermediate_size=1024, num_heads=16, num_kv_heads=4, vocab_size=VOCAB,
-                           max_position_embeddings=8192, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def chunk_server(big_model, log_dir):
-    need_vllm()
-    server = ServerProcess(str(big_model), "--dtype", "float32", "--max-model-len", str(TOKENS + 64),
-                           "--arena-bytes", str(ARENA), "--max-num-seqs", "8",
-                           # a repeated input is computed again, not partly from the prefix cache
-                           "--no-enable-prefix-caching", log_dir=log_dir, name="chunked")
-    yield server.wait_ready()
-    server.stop()
+TOKENS = WIDE_TOKENS
+ARENA = WIDE_ARENA
+VOCAB = WIDE_VOCAB
 
 
 def _ids(seed: int, n: int = TOKENS) -> list[int]:
@@ -56,9 +36,9 @@ def _ids(seed: int, n: int = TOKENS) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(big_model):
+def reference(wide_model):
     ids = _ids(0)
-    return ids, reference_states(str(big_model), ids, [0, 1, 2])
+    return ids, reference_states(str(wide_model), ids, [1, 2, 3, 4])
 
 
 def _arena_used(server) -> float:
