@@ -46,7 +46,10 @@ class Variant:
 def load_mix(text: str) -> list[Variant]:
     """Variants from `text`: a JSON/YAML list, inline, or the path of a file holding one."""
     path = Path(text)
-    source = path.read_text() if not text.lstrip().startswith(("[", "{", "-")) and path.is_file() else text
+    inline = text.lstrip().startswith(("[", "{", "-"))
+    if not inline and path.suffix in (".json", ".yaml", ".yml") and not path.is_file():
+        raise MixError(f"--mix file {text} not found")
+    source = path.read_text() if not inline and path.is_file() else text
     try:
         data = yaml.safe_load(source)  # JSON is YAML
     except yaml.YAMLError as exc:

@@ -76,6 +76,7 @@ def test_a_mix_from_a_yaml_file(tmp_path):
     ('[{"chat_template_kwargs": "x"}]', "mapping"),
     ('[{"name": "a"}, {"name": "a"}]', "differ"),
     ("[1, 2", "neither a file nor JSON/YAML"),
+    ("no-such-mix.yaml", "not found"),
 ])
 def test_a_bad_mix_is_refused_before_any_work(mix, words, tmp_path, capsys):
     with pytest.raises(MixError, match=None) as exc:
