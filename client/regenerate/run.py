@@ -53,7 +53,8 @@ def plan_of(cfg: RegenConfig, conversations: list[Conversation]) -> dict[str, An
         "keys": [c.key for c in conversations],
         "sampling": {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
                      "chat_template_kwargs": s.chat_template_kwargs, "model": s.model,
-                     "stop_at_length": s.stop_at_length, "mix": describe(s.mix)},
+                     "stop_at_length": s.stop_at_length,
+                     **({"mix": describe(s.mix)} if s.mix else {})},  # (a plan without a mix stays as it was)
         "shard": list(cfg.shard) if cfg.shard else None,
     }
 
