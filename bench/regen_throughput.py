@@ -9,7 +9,10 @@ On the same model, engine flags and conversations (default: the shared OASST thr
      extract_hidden_states speculative config), then the same `hsx regenerate`: tokens/s,
      and the ratio to 1 (issue 28's target: >= 0.95);
   3. the chained `hsx extract` of 2's output on the same server (its prefill hits the
-     prefix cache): seconds and prefill tokens/s, the extra cost of --extract-to.
+     prefix cache): seconds and prefill tokens/s, the extra cost of --extract-to;
+  4. with --spec-arm: `vllm serve M FLAGS --speculative-config` of the extract_hidden_states
+     method as hsx serve sets it (no connector, no hsx code): if it is as slow as 2, the
+     cost is vLLM's method, not hsx (bench/regen_spec_cost.py splits it further).
 Greedy (temperature 0) so both engines generate the same replies where they are
 deterministic; each server is started, measured after an untimed warm-up, and stopped.
 Prints a table; `--out FILE` writes every figure as JSON. Made for the H200 (shared/gpu-kit);
@@ -77,6 +80,19 @@ class Server:
         self.log.close()
 
 
+def hsx_speculative_config(model: str) -> dict:
+    """The speculative config hsx serve gives its engine (service/engine/config.py), on the
+    default capture layers."""
+    from transformers import AutoConfig
+
+    from hsx.layers import default_layers
+
+    cfg = AutoConfig.from_pretrained(model)
+    n = int(getattr(cfg, "text_config", cfg).num_hidden_layers)
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": default_layers(n)}}}
+
+
 def regenerate(url: str, inputs: Path, out: Path, args: argparse.Namespace, model: str | None,
                limit: int) -> dict:
     argv = [sys.executable, "-m", "hsx_tools.cli", "regenerate", "--server", url, "--input", str(inputs), "--output", str(out),
@@ -109,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--concurrency", type=int, default=128, help="requests in flight")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a server may take to start")
+    p.add_argument("--spec-arm", action="store_true",
+                   help="also measure vllm serve with hsx's speculative config (extract_hidden_states)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     flags = shlex.split(args.engine_args)
@@ -125,6 +143,16 @@ def main(argv: list[str] | None = None) -> int:
             results["vllm"] = measure(vllm, args, tmp, "vllm", args.model)
         finally:
             vllm.stop()
+        if args.spec_arm:
+            port = free_port()
+            spec = Server([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port",
+                           str(port), *flags, "--speculative-config", json.dumps(hsx_speculative_config(args.model))],
+                          port, tmp / "vllm-spec.log")
+            try:
+                spec.wait("/health", args.timeout)
+                results["vllm_extract_hidden_states"] = measure(spec, args, tmp, "vllm-spec", args.model)
+            finally:
+                spec.stop()
         port = free_port()
         hsx = Server([sys.executable, "-m", "hsx_tools.cli", "serve", args.model, "--port", str(port), *flags], port,
                      tmp / "hsx.log")
@@ -145,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hsx serve        : {h:12,.0f} generated tok/s ({results['hsx']['generated_tokens']} tokens)")
     print(f"ratio            : {results['ratio_hsx_to_vllm']:.3f} (target >= 0.95)")
     print(f"chained extract  : {results['chained_extract']['wall_s']:.1f} s")
+    if "vllm_extract_hidden_states" in results:
+        e = results["vllm_extract_hidden_states"]["generated_tokens_per_s"]
+        results["ratio_vllm_extract_hidden_states_to_vllm"] = e / v if v else None
+        results["ratio_hsx_to_vllm_extract_hidden_states"] = h / e if e else None
+        print(f"vLLM serve + extract_hidden_states: {e:,.0f} generated tok/s "
+              f"(ratio to plain {results['ratio_vllm_extract_hidden_states_to_vllm']:.3f}; "
+              f"hsx to it {results['ratio_hsx_to_vllm_extract_hidden_states']:.3f})")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0

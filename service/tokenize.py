@@ -189,8 +189,22 @@ def _find_content(msg: dict[str, Any], full: str, cursor: int) -> Span | None:
     content = msg.get("content") or ""
     if not isinstance(content, str) or not content:
         return None
-    start = full.find(content, cursor)
-    return None if start < 0 else (start, start + len(content))
+    for text in _rendered_forms(content):
+        start = full.find(text, cursor)
+        if start >= 0:
+            return start, start + len(text)
+    return None
+
+
+def _rendered_forms(content: str) -> list[str]:
+    """How a template may show a reply: as recorded, or, for a reply holding its thinking
+    inline, the answer after the last `</think>` (DeepSeek-R1's and Qwen3's templates cut
+    it there, and Qwen3's strips the newlines around it)."""
+    forms = [content]
+    if "</think>" in content:
+        answer = content.split("</think>")[-1]
+        forms += [a for a in (answer, answer.strip("\n")) if a and a not in forms]
+    return forms
 
 
 def _content_spans(messages, full: str) -> list[Span]:

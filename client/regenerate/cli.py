@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hsx_client.settings import DEFAULTS, ClientSettings
 
+from .mix import MixError, load_mix
 from .run import EXIT_INTERRUPTED, EXIT_REFUSED, RegenConfig, run_regenerate
 from .turns import Sampling
 
@@ -46,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                                            "conversation's key, so a resumed run samples the same replies")
     p.add_argument("--chat-template-kwargs", type=json.loads, metavar="JSON",
                    help='template switches, e.g. \'{"enable_thinking": true}\'')
+    p.add_argument("--mix", metavar="JSON|YAML|FILE",
+                   help="per-conversation variants: a list of {name, weight, temperature, top_p, max_tokens, "
+                        "chat_template_kwargs, reasoning_effort}, inline or a file; each conversation gets one, "
+                        "drawn from --seed and its key (the same on resume), recorded in its row")
     p.add_argument("--stop-at-length", action="store_true",
                    help="end a conversation at a turn cut by --max-tokens (default: go on; cut turns are flagged "
                         "finish_reason=length and counted)")
@@ -92,9 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         print(exc, file=sys.stderr)
         return EXIT_REFUSED
+    try:
+        mix = load_mix(args.mix) if args.mix else None
+    except (MixError, OSError) as exc:
+        print(f"hsx regenerate: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                         chat_template_kwargs=args.chat_template_kwargs, model=args.model,
-                        stop_at_length=args.stop_at_length)
+                        stop_at_length=args.stop_at_length, mix=mix)
     client = ClientSettings.given(servers, api_key=args.api_key, concurrency_per_server=args.concurrency_per_server,
                                   timeout=args.timeout, max_attempts=args.max_attempts)
     cfg = RegenConfig(client=client, inputs=args.inputs, output=args.output, sampling=sampling, shard=shard,

@@ -23,6 +23,7 @@ from hsx_client.corpus.inputs import BadRow
 
 from .conversations import Conversation, read_conversations
 from .journal import Journal
+from .mix import describe
 from .turns import ContextFull, NoTokenIds, Sampling, regenerate
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -52,7 +53,8 @@ def plan_of(cfg: RegenConfig, conversations: list[Conversation]) -> dict[str, An
         "keys": [c.key for c in conversations],
         "sampling": {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
                      "chat_template_kwargs": s.chat_template_kwargs, "model": s.model,
-                     "stop_at_length": s.stop_at_length},
+                     "stop_at_length": s.stop_at_length,
+                     **({"mix": describe(s.mix)} if s.mix else {})},  # (a plan without a mix stays as it was)
         "shard": list(cfg.shard) if cfg.shard else None,
     }
 
@@ -94,7 +96,7 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
     failures: Counter[str] = Counter()
     errors: dict[str, str] = {}
     stats = {"conversations": 0, "generated_tokens": 0, "turns": 0, "length_cut_turns": 0, "dropped": 0,
-             "ended": Counter()}
+             "ended": Counter(), "variants": Counter()}
     refused: list[BaseException] = []
     started = time.monotonic()
     bar = None
@@ -110,8 +112,9 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
         async with slots:
             if refused:
                 return
+            sampling, variant = cfg.sampling.for_conversation(conv.key)
             try:
-                out = await regenerate(conv.key, conv.messages, conv.tools, cfg.sampling,
+                out = await regenerate(conv.key, conv.messages, conv.tools, sampling,
                                        lambda body: client.chat_completion(body, request_id=None))
             except NoTokenIds as exc:
                 refused.append(exc)
@@ -130,6 +133,12 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
             row["hsx_turns"] = out.turns
             row["hsx_regenerated"] = {"key": conv.key, "source": conv.source, "ended": out.ended,
                                       "seed": cfg.sampling.conversation_seed(conv.key)}
+            if variant is not None:
+                row["hsx_regenerated"]["variant"] = variant.name
+                row["hsx_regenerated"]["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                                      "max_tokens": sampling.max_tokens,
+                                                      "chat_template_kwargs": sampling.chat_template_kwargs}
+                stats["variants"][variant.name] += 1
             journal.record(conv.key, row)
             stats["conversations"] += 1
             stats["turns"] += len(out.turns)
@@ -176,6 +185,7 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
         "generated_tokens_per_s": stats["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
         "length_cut_turns": stats["length_cut_turns"],
         "ended": dict(stats["ended"]),
+        **({"variants": dict(stats["variants"])} if cfg.sampling.mix else {}),
         # (this run's and earlier runs': a dropped conversation is journaled as None)
         "dropped_context_full": sum(1 for k in keys if k in journal.done and journal.done[k] is None),
         "failed": sum(failures.values()),

@@ -18,12 +18,15 @@ replies included. The conversation ends early, keeping what was generated, at:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hsx_client.errors import BadRequestError, HsxError, PayloadTooLargeError
+
+from .mix import Variant, pick
 
 Complete = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -57,12 +60,25 @@ class Sampling:
     chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
     stop_at_length: bool = False
+    mix: list[Variant] | None = None  # --mix: one variant per conversation overrides the fields above
 
     def conversation_seed(self, key: str) -> int | None:
         if self.seed is None:
             return None
         digest = hashlib.sha256(f"{self.seed}:{key}".encode()).digest()
         return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+    def for_conversation(self, key: str) -> tuple["Sampling", Variant | None]:
+        """The settings conversation `key` is generated with, and its --mix variant (None
+        without a mix)."""
+        if not self.mix:
+            return self, None
+        variant = pick(self.mix, self.seed, key)
+        o = dict(variant.overrides)
+        kwargs = {**(self.chat_template_kwargs or {}), **(o.pop("chat_template_kwargs", None) or {})}
+        if "reasoning_effort" in o:
+            kwargs["reasoning_effort"] = o.pop("reasoning_effort")
+        return dataclasses.replace(self, **o, chat_template_kwargs=kwargs or None, mix=None), variant
 
 
 @dataclass

@@ -11,6 +11,7 @@ message that says why.
 from __future__ import annotations
 
 import json
+from collections import Counter
 import os
 import signal
 import subprocess
@@ -158,3 +159,34 @@ def test_bad_input_is_refused_with_a_clear_error(servers, tmp_path):
     assert rc == 2 and "no usable conversation" in summary["error"] and "pretokenized" in summary["error"]
     rc, summary, _ = run_regen(regen_argv(servers[:1], [str(tmp_path / "missing.jsonl")], tmp_path / "b.jsonl"))
     assert rc == 2 and "not found" in summary["error"]
+
+
+def test_mix_assigns_each_conversation_its_variant_and_sends_its_settings(servers, chats, tmp_path):
+    """--mix: the variant drawn from the key (and --seed), recorded in the row; its max_tokens
+    and chat_template_kwargs are what hsx serve got (the short variant's turns are cut at
+    its limit; a template switch off hsx serve's allow-list comes back refused)."""
+    from hsx_client.regenerate.mix import load_mix, pick
+
+    mix = json.dumps([{"name": "short", "weight": 1, "max_tokens": 3, "chat_template_kwargs": {"enable_thinking": False}},
+                      {"name": "long", "weight": 1, "temperature": 0.8, "reasoning_effort": "high"}])
+    out = tmp_path / "mixed.jsonl"
+    argv = regen_argv(servers[:1], chats[:2], out, "--mix", mix)  # (no --seed: vLLM's CPU worker refuses seeds)
+    rc, summary, err = run_regen(argv)
+    assert rc == 0, err[-3000:]
+    regen = rows(out)
+    variants = load_mix(mix)
+    names = [r["hsx_regenerated"]["variant"] for r in regen]
+    assert names == [pick(variants, None, r["hsx_regenerated"]["key"]).name for r in regen]
+    assert set(names) == {"short", "long"} and summary["variants"] == dict(Counter(names))
+    for r in regen:
+        limit = 3 if r["hsx_regenerated"]["variant"] == "short" else MAX_TOKENS
+        assert r["hsx_regenerated"]["sampling"]["max_tokens"] == limit
+        for t in r["hsx_turns"]:
+            assert len(t["token_ids"]) <= limit and (t["finish_reason"] != "length" or len(t["token_ids"]) == limit)
+    assert any(t["finish_reason"] == "length" and len(t["token_ids"]) == 3 for r in regen for t in r["hsx_turns"])
+    rc, summary, _ = run_regen(argv[:-1] + [mix.replace("high", "low")])  # another mix: not this plan
+    assert rc == 2 and "other settings" in summary["error"]
+
+    bad = json.dumps([{"name": "bad", "chat_template_kwargs": {"tokenize": True}}])
+    rc, summary, _ = run_regen(regen_argv(servers[:1], chats[:1], tmp_path / "bad.jsonl", "--mix", bad))
+    assert rc == 1 and summary["regenerated"] == 0 and summary["failed"] == summary["planned"]
