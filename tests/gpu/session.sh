@@ -172,7 +172,8 @@ regen)
     # Issue 28 item 6: generated tokens/s of `hsx regenerate` on hsx serve's engine against the same
     # client on plain `vllm serve`, same flags and conversations (the OASST threads), greedy; then the
     # chained extract (bench/regen_throughput.py). The 8B Llama shape with vLLM's dummy weights and
-    # hsx's small tokenizer (vocab 1024, so every generated id detokenizes).
+    # hsx's small tokenizer (vocab 1024, so every generated id detokenizes). REGEN_ARGS=--spec-arm adds
+    # vllm serve with hsx's speculative config (the method's own cost, apart from hsx's).
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
     model=/tmp/regen-llama8b
@@ -182,7 +183,7 @@ regen)
     python3 bench/regen_throughput.py --model "$model" --input /tmp/gpufix/threads.messages.jsonl \
         --engine-args "--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.85" \
         --conversations "${REGEN_CONVERSATIONS:-256}" --max-tokens "${REGEN_MAX_TOKENS:-256}" --concurrency 128 \
-        --out "$out/regen-throughput-h200-$ver.json" 2>&1 | tee "$out/regen-throughput-h200-$ver.log"
+        ${REGEN_ARGS:-} --out "$out/regen-throughput-h200-$ver.json" 2>&1 | tee "$out/regen-throughput-h200-$ver.log"
     ;;
 long)
     # Issue 29 item 4: 131,072-token prompts on a random DeepSeek-V3-shaped model (hidden 7168, MLA,
