@@ -13,7 +13,7 @@ from typing import Any
 from hsx.layers import default_layers
 from hsx_service.engine import vllm_compat
 from hsx_service.engine.arena import SharedArena
-from hsx_service.engine.cpu_threads import bind_cpu_workers
+from hsx_service.engine.cpu_threads import bind_cpu_workers, reserve_cores_as_without_connector
 from hsx_service.http.errors import StartupError
 from hsx_service.settings import ServiceSettings
 
@@ -155,6 +155,7 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
             bind_cpu_workers(engine_args.tensor_parallel_size * engine_args.data_parallel_size)
         except ValueError as exc:
             raise StartupError(f"tensor x data parallel ranks: {exc}") from exc
+        reserve_cores_as_without_connector(engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size)
     if getattr(engine_args, "speculative_config", None):
         raise StartupError("--speculative-config cannot be combined with hsx: it sets its own (extract_hidden_states)")
     if getattr(engine_args, "kv_transfer_config", None):

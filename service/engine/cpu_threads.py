@@ -6,6 +6,14 @@ nodes than ranks ("Not enough allowed NUMA nodes to bind threads of 2 local
 CPUWorkers"), as on most single-socket machines and containers. There hsx sets the
 variable itself, splitting the cores this process may use evenly across the ranks
 ("0|1" on 2 cores, "0-7|8-15" on 16); a value the user set is never touched.
+
+It also keeps vLLM's core reservation what it is without a KV connector. vLLM reserves cores
+for the EngineCore process (which busy-polls its workers) and, whenever a kv_transfer_config is
+set, one more per rank for NIXL's prefill/decode transfers. hsx's connector does no such
+transfer, yet counts as one: on 2 cores the reservation (2) then reaches the core count, vLLM
+drops it and runs the worker's OpenMP threads on every core, beside the polling scheduler and the
+API process, and each decode step slowed to several times `vllm serve`'s. So hsx sets
+VLLM_CPU_NUM_OF_RESERVED_CPU to vLLM's connector-less count (unless the user set it).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import os
 from collections.abc import MutableMapping
 
 ENV = "VLLM_CPU_OMP_THREADS_BIND"
+RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 log = logging.getLogger("hsx.engine")
 
 
@@ -65,4 +74,28 @@ def bind_cpu_workers(ranks: int, environ: MutableMapping[str, str] = os.environ,
     value = split_cores(sorted(cpus), ranks)
     environ[ENV] = value
     log.info("%d CPU workers, fewer NUMA nodes than workers: %s=%r (set it yourself to choose)", ranks, ENV, value)
+    return value
+
+
+def reserved_without_connector(local_ranks: int, arch: str) -> int:
+    """vLLM's own reservation (vllm/utils/ompmultiprocessing.py) when no kv_transfer_config is set:
+    one core per local rank on x86, ARM and RISC-V, else one."""
+    return local_ranks if arch in ("X86", "ARM", "RISCV") else 1
+
+
+def reserve_cores_as_without_connector(local_ranks: int, environ: MutableMapping[str, str] = os.environ,
+                                       arch: str | None = None) -> str | None:
+    """Set VLLM_CPU_NUM_OF_RESERVED_CPU so hsx's connector costs no extra core. Returns the value
+    set, or None when the user set it."""
+    if RESERVED_ENV in environ:
+        return None
+    if arch is None:
+        from vllm.platforms import current_platform
+
+        arch = current_platform.get_cpu_architecture().name
+    value = str(reserved_without_connector(local_ranks, arch))
+    environ[RESERVED_ENV] = value
+    log.info("CPU backend: %s=%s (vLLM reserves one more core per rank for any KV connector, meant for NIXL; "
+             "hsx's needs none). vLLM's warning that it is below the minimum refers to that extra core",
+             RESERVED_ENV, value)
     return value

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from hsx_service.engine import vllm_compat
-from hsx_service.engine.cpu_threads import ENV, bind_cpu_workers, numa_nodes_with, split_cores
+from hsx_service.engine.cpu_threads import (ENV, RESERVED_ENV, bind_cpu_workers, numa_nodes_with,
+                                            reserve_cores_as_without_connector, split_cores)
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -92,6 +93,38 @@ def test_bind_only_where_vllm_would_refuse(tmp_path):
     assert bind_cpu_workers(1, env, cpus={0, 1}, node_dir=one) is None and env == {}
     two = _nodes(tmp_path / "two", "0-3", "4-7")
     assert bind_cpu_workers(2, env, cpus=set(range(8)), node_dir=two) is None and env == {}  # vLLM's auto works
+
+
+def test_connector_costs_no_reserved_core():
+    env: dict[str, str] = {}
+    assert reserve_cores_as_without_connector(1, env, arch="X86") == "1" and env == {RESERVED_ENV: "1"}
+    assert reserve_cores_as_without_connector(2, {}, arch="ARM") == "2"
+    assert reserve_cores_as_without_connector(2, {}, arch="POWERPC") == "1"
+    env = {RESERVED_ENV: "0"}  # the user's choice is kept
+    assert reserve_cores_as_without_connector(1, env, arch="X86") is None and env == {RESERVED_ENV: "0"}
+
+
+def _omp_manager_reserve(kv_transfer_config):
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    parallel = SimpleNamespace(local_world_size=1, data_parallel_rank_local=None, _api_process_count=1)
+    return OMPProcessManager(SimpleNamespace(parallel_config=parallel, kv_transfer_config=kv_transfer_config)
+                             ).reserve_cpu_num
+
+
+@pytest.mark.skipif(not (HAVE_VLLM and vllm_compat.is_cpu_backend()), reason="vLLM's CPU backend")
+def test_vllm_reserves_for_hsx_connector_what_it_reserves_without(monkeypatch):
+    """vLLM's own OpenMP manager: hsx's connector made it reserve one more core, which on 2 cores
+    left the worker's threads on every core beside the busy-polling scheduler."""
+    pytest.importorskip("vllm.utils.ompmultiprocessing")
+    monkeypatch.delenv(RESERVED_ENV, raising=False)
+    monkeypatch.setenv(ENV, "auto")
+    plain, hsx = _omp_manager_reserve(None), _omp_manager_reserve({"kv_connector": "HsxConnector"})
+    assert hsx > plain  # what hsx corrects; if vLLM stops doing it, the setting is moot
+    env: dict[str, str] = {}
+    reserve_cores_as_without_connector(1, env)
+    monkeypatch.setenv(RESERVED_ENV, env[RESERVED_ENV])
+    assert _omp_manager_reserve({"kv_connector": "HsxConnector"}) == plain
 
 
 def test_hybrids_verified_per_backend_and_release():
