@@ -54,8 +54,9 @@ def reference(wide_model):
     return ids, reference_states(str(wide_model), ids, [1, 2, 3, 4])
 
 
-def _granted(server) -> float:
-    return server.metrics().get("hsx_leases_total", 0.0, outcome="granted")
+def _leases(server) -> dict[str, float]:
+    m = server.metrics()
+    return {o: m.get("hsx_leases_total", 0.0, outcome=o) for o in ("granted", "released", "unsent")}
 
 
 def _all_freed(server) -> bool:
@@ -70,7 +71,7 @@ def test_the_worker_serves_the_public_port(worker_server):
 @pytest.mark.parametrize("coding", ["identity", "zstd"])
 def test_sample_larger_than_the_arena_is_exact_through_the_worker(worker_server, reference, coding):
     ids, ref = reference
-    granted = _granted(worker_server)
+    before = _leases(worker_server)
     r = httpx.post(worker_server.url + "/hidden_states", json={"input_ids": ids},
                    headers={"Accept-Encoding": coding}, timeout=300)
     assert r.status_code == 200, r.text[:300]
@@ -82,9 +83,14 @@ def test_sample_larger_than_the_arena_is_exact_through_the_worker(worker_server,
     # chunk boundaries: every token's states are its own (a chunk sent twice or out of place shows per token)
     per_token = (got.hidden_states - ref).norm(dim=(1, 2)) / ref.norm(dim=(1, 2))
     assert float(per_token.max()) < 1e-3
-    # the worker took it as chunk leases (one per window-sized chunk), not as a body from the engine process
-    assert _granted(worker_server) - granted > STATES_BYTES // (WIDE_ARENA // 8)
     wait_until(lambda: _all_freed(worker_server), 30, "every chunk lease released and the window freed")
+    after = _leases(worker_server)
+    delta = {o: after[o] - before[o] for o in after}
+    # The worker took it as chunk leases (one per window-sized chunk), not as a body from the
+    # engine process, and released each itself once sent: none ended by the engine process
+    # while the worker could still be reading it (its range is then another request's).
+    assert delta["granted"] > STATES_BYTES // (WIDE_ARENA // 8)
+    assert delta == {"granted": delta["granted"], "released": delta["granted"], "unsent": 0}
 
 
 def test_client_leaving_mid_sample_frees_arena_leases_and_blocks(worker_server):
