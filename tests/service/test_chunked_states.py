@@ -29,6 +29,7 @@ pytestmark = pytest.mark.engine
 TOKENS = WIDE_TOKENS
 ARENA = WIDE_ARENA
 VOCAB = WIDE_VOCAB
+LAYERS = 4  # the default ids of a 4-layer model: 1..4
 
 
 def _ids(seed: int, n: int = TOKENS) -> list[int]:
@@ -63,7 +64,7 @@ def test_sample_larger_than_the_arena_is_exact(chunk_server, reference, coding):
     assert r.headers.get("content-encoding", "identity") == coding
     body = r.content  # httpx decodes the zstd frame
     header, _ = parse_header(body)
-    assert header["hidden_states"]["shape"] == [TOKENS, 3, 2048]
+    assert header["hidden_states"]["shape"] == [TOKENS, LAYERS, 2048]
     got = decode(body)
     assert got.hidden_states.numel() * 4 > ARENA * 10
     assert got.token_ids.tolist() == ids
@@ -98,13 +99,13 @@ def test_client_leaving_mid_sample_frees_window_and_blocks(chunk_server):
             got += len(piece)
             if got > 3 * ARENA:
                 break
-    assert got < TOKENS * 3 * 2048 * 4
+    assert got < TOKENS * LAYERS * 2048 * 4
     wait_until(lambda: _arena_used(chunk_server) == 0, 60, "the window freed after the client left")
     # The engine holds no blocks of it: the KV cache is empty again, and the next sample passes.
     wait_until(lambda: chunk_server.metrics().get("hsx_kv_cache_usage", 0.0) == 0.0, 60, "the KV blocks freed")
     r = httpx.post(chunk_server.url + "/hidden_states", json={"input_ids": ids[:2000]}, timeout=300)
     assert r.status_code == 200
-    assert decode(r.content).hidden_states.shape == (2000, 3, 2048)
+    assert decode(r.content).hidden_states.shape == (2000, LAYERS, 2048)
 
 
 def test_many_large_and_small_samples_at_once(chunk_server):
@@ -128,7 +129,7 @@ def test_many_large_and_small_samples_at_once(chunk_server):
     results = asyncio.run(main())
     for ids, got in results:
         assert got.token_ids.tolist() == ids
-        assert got.hidden_states.shape == (len(ids), 3, 2048)
+        assert got.hidden_states.shape == (len(ids), LAYERS, 2048)
         assert torch.isfinite(got.hidden_states).all()
     # The same input alone gives the same states (chunks of concurrent samples never mix; batched
     # with others, the last bits of fp32 sums may differ).
@@ -164,11 +165,11 @@ def test_lease_stream_hands_over_exact_chunks(chunk_server, reference):
 
     async def read_all(stream):
         head = await stream.head()
-        assert head.shape == (TOKENS, 3, 2048) and head.token_ids.tolist() == ids
+        assert head.shape == (TOKENS, LAYERS, 2048) and head.token_ids.tolist() == ids
         out = torch.empty(head.shape, dtype=head.dtype)
         chunks = 0
         async for c in stream.chunks():
-            out[c.start : c.stop] = torch.frombuffer(bytearray(c.data), dtype=head.dtype).view(c.stop - c.start, 3, 2048)
+            out[c.start : c.stop] = torch.frombuffer(bytearray(c.data), dtype=head.dtype).view(c.stop - c.start, LAYERS, 2048)
             chunks += 1
         return out, chunks
 
