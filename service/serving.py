@@ -309,7 +309,10 @@ class HiddenStatesService:
         lease per chunk as it lands; each release gives the chunk's slot back to the worker.
         A client that closes the response mid-sample has left it: the chunk leases it still holds
         end then (a later release of one is a 410). An HTTP worker's do not expire; the worker
-        closes this response only once it reads no chunk any more, so they end with it too."""
+        closes this response only once it reads no chunk any more, so they end with it too. For
+        that, this response stays open after its last record until the worker has released every
+        chunk: ending it at the last record ended the chunks the worker was still coding, and
+        freed their range for another request while the worker read it."""
         metadata["lease"] = json.dumps({
             "chunked": True, "arena_id": self.prefill.arena.arena_id, "dtype": states.dtype,
             "shape": list(states.shape), "expires_in": self.settings.lease_timeout,
@@ -346,6 +349,8 @@ class HiddenStatesService:
             except ChunkFailed as exc:
                 yield json.dumps({"error": f"the engine did not deliver the hidden states ({exc})",
                                   "status": 502}).encode() + b"\n"
+            if http_worker:  # its chunks end with its releases, or with this response once it closes it
+                await window.all_back()
 
         def close() -> None:
             if http_worker or not stats.complete:  # released already, or never to be read

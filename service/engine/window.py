@@ -107,9 +107,16 @@ class StreamWindow:
         slot = self._out.pop(index, None)
         if slot is None:
             return
+        self._changed.set()  # all_back() waits on it
         if not self.ended:
             self._credits.credit(self.key, slot)
         self._maybe_free()
+
+    async def all_back(self) -> None:
+        """Wait until every chunk handed out is given back (sent, or its lease ended)."""
+        while self._out:
+            self._changed.clear()
+            await self._changed.wait()
 
     @property
     def complete(self) -> bool:

@@ -247,6 +247,24 @@ def test_chunk_lease_gives_the_chunk_back_once():
     asyncio.run(main())
 
 
+def test_all_back_waits_for_every_chunk_handed_out():
+    """What an HTTP worker's chunked lease answer waits on before it ends (serving.py)."""
+    async def main():
+        _, w, _ = _window()
+        w.on_notice({"key": "k", "ok": True, "chunk": 0, "slot": 0})
+        w.on_notice({"key": "k", "ok": True, "chunk": 1, "slot": 1})
+        await w.next_chunk()
+        await w.next_chunk()
+        waiting = asyncio.ensure_future(w.all_back())
+        w.give_back(0)
+        await asyncio.sleep(0)
+        assert not waiting.done()  # chunk 1 is still out
+        w.give_back(1)
+        await asyncio.wait_for(waiting, 1)
+
+    asyncio.run(main())
+
+
 # ----------------------------------------------------------------- the streamed body
 def _streamed_body(coding: str):
     """A window fed by a fake worker as the body reads it: the body equals the whole one."""
