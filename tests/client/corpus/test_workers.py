@@ -61,6 +61,7 @@ def test_the_clock_starts_once_every_worker_is_ready(tmp_path):
     assert sorted(lines) == list(range(N))
 
 
+@pytest.mark.slow  # worker processes killed and replaced: seconds each
 @pytest.mark.parametrize("unsent", [False, True], ids=["after-its-line", "files-written-no-line"])
 def test_a_sigkilled_worker_is_replaced_and_nothing_is_lost_or_doubled(tmp_path, unsent):
     st, pool, lines = run_pool(tmp_path, die_after=5, die_once=True, unsent=unsent)
@@ -68,6 +69,7 @@ def test_a_sigkilled_worker_is_replaced_and_nothing_is_lost_or_doubled(tmp_path,
     assert sorted(lines) == list(range(N))
 
 
+@pytest.mark.slow
 def test_a_dead_worker_s_half_written_files_go_at_once(tmp_path):
     """A worker killed mid-write leaves a temporary file; a run that completes leaves none
     (the parent removes the dead pid's, the other workers' writes go on)."""

@@ -95,6 +95,7 @@ def _closed_within(s: socket.socket, seconds: float) -> bytes | None:
         return got
 
 
+@pytest.mark.slow  # waits out the header deadline
 def test_silent_and_slow_header_connections_are_closed_after_the_deadline(uvicorn_server):
     silent = [_connect(uvicorn_server.port) for _ in range(6)]
     slow = [_connect(uvicorn_server.port) for _ in range(6)]
