@@ -267,17 +267,8 @@ class HttpWorkerApp:
             specs, parts, metadata = _rebuild(content, lease, arena)
             coding = choose_coding(headers.get("accept"), headers.get("accept-encoding"), BY_ST[lease["dtype"]].name)
             body_headers, stream = encode_body(specs, parts, metadata, coding, stats, self.pool)
-            out = {"x-request-id": answer.headers.get("x-request-id", ""),
-                   "x-hsx-num-tokens": answer.headers.get("x-hsx-num-tokens", ""), **body_headers}
             try:
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(k.lower().encode(), str(v).encode("latin-1")) for k, v in out.items()]})
-                async for chunk in stream:
-                    if gone.done():  # uvicorn drops writes to a closed connection: stop coding
-                        break
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                else:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await _send_body(send, answer, body_headers, stream, gone)
             finally:
                 await stream.aclose()  # nothing reads the range after this
         except (WireFormatError, KeyError, ValueError) as exc:
@@ -358,17 +349,8 @@ class HttpWorkerApp:
             except (WireFormatError, KeyError, ValueError) as exc:
                 log.error("unusable lease stream from the engine process: %s", exc)
                 raise EngineFailure("the engine process answered with an unusable lease") from exc
-            out = {"x-request-id": answer.headers.get("x-request-id", ""),
-                   "x-hsx-num-tokens": answer.headers.get("x-hsx-num-tokens", ""), **body_headers}
             try:
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(k.lower().encode(), str(v).encode("latin-1")) for k, v in out.items()]})
-                async for chunk in stream:
-                    if gone.done():
-                        break
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                else:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await _send_body(send, answer, body_headers, stream, gone)
             finally:
                 await stream.aclose()  # nothing reads the arena after this
         finally:
@@ -408,6 +390,20 @@ class HttpWorkerApp:
                 log.warning("cannot map the arena (%s); the engine process sends bodies for %.0fs", exc, ARENA_RETRY)
                 self._arena_retry_at = time.monotonic() + ARENA_RETRY
             return self.arena
+
+
+async def _send_body(send, answer: httpx.Response, body_headers: dict[str, str], stream, gone: asyncio.Future) -> None:
+    """The response (status, the engine process's request id and token count, the coding's
+    headers) and its body as `stream` yields it; stops once the client is `gone`."""
+    out = {"x-request-id": answer.headers.get("x-request-id", ""),
+           "x-hsx-num-tokens": answer.headers.get("x-hsx-num-tokens", ""), **body_headers}
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(k.lower().encode(), str(v).encode("latin-1")) for k, v in out.items()]})
+    async for chunk in stream:
+        if gone.done():  # uvicorn drops writes to a closed connection: stop coding
+            return
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _rebuild(content: bytes, lease: dict, arena) -> tuple[list[TensorSpec], list, dict[str, str]]:
