@@ -6,6 +6,7 @@ import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -170,26 +171,15 @@ def check_decoded(decoded: Decoded, ctx: CorpusContext) -> tuple[torch.Tensor, n
     hs = decoded.hidden_states
     if not isinstance(hs, torch.Tensor) or hs.ndim != 3:
         raise CorpusFormatError(f"hidden_states must be a [T, L, H] tensor, got {getattr(hs, 'shape', type(hs))}")
-    t, n_layers, h = hs.shape
-    if n_layers != 4 or len(ctx.layer_ids) != 4:
-        raise CorpusFormatError(
-            f"EAGLE-3 corpora need 4 layers (3 aux + last), got {n_layers} states for layer ids {ctx.layer_ids}"
-        )
-    if h != ctx.hidden_size:
-        raise CorpusFormatError(f"hidden size {h} differs from the server's {ctx.hidden_size}")
-    if ctx.dtype in dtypes.STATE_DTYPES and hs.dtype != dtypes.torch_dtype(ctx.dtype):
-        raise CorpusFormatError(f"states are {hs.dtype}, the server said {ctx.dtype}")
-    if "layer_ids" in decoded.metadata and decoded.layer_ids != list(ctx.layer_ids):
-        raise CorpusFormatError(f"response layers {decoded.layer_ids} differ from the run's {ctx.layer_ids}")
-    if t == 0:
-        raise CorpusFormatError("response has no tokens")
-    ids, mask, source = check_tokens(decoded, ctx, t)
+    check_layout(SimpleNamespace(shape=tuple(hs.shape), dtype=hs.dtype, metadata=decoded.metadata), ctx)
+    ids, mask, source = check_tokens(decoded, ctx, hs.shape[0])
     return hs, ids, mask, source
 
 
 def check_layout(layout: Any, ctx: CorpusContext) -> None:
-    """`check_decoded`'s checks of the states, from a stream's layout (before any state
-    arrives: hsx_client.sample_stream.StatesLayout)."""
+    """The states' checks (layers, hidden size, dtype, layer ids, tokens) from their layout: a
+    stream's before any state arrives (hsx_client.sample_stream.StatesLayout), or a whole
+    response's (check_decoded)."""
     t, n_layers, h = layout.shape
     if n_layers != 4 or len(ctx.layer_ids) != 4:
         raise CorpusFormatError(
@@ -200,7 +190,8 @@ def check_layout(layout: Any, ctx: CorpusContext) -> None:
     if ctx.dtype in dtypes.STATE_DTYPES and layout.dtype != dtypes.torch_dtype(ctx.dtype):
         raise CorpusFormatError(f"states are {layout.dtype}, the server said {ctx.dtype}")
     if "layer_ids" in layout.metadata and json.loads(layout.metadata["layer_ids"]) != list(ctx.layer_ids):
-        raise CorpusFormatError(f"response layers {layout.metadata['layer_ids']} differ from the run's {ctx.layer_ids}")
+        raise CorpusFormatError(
+            f"response layers {json.loads(layout.metadata['layer_ids'])} differ from the run's {ctx.layer_ids}")
     if t == 0:
         raise CorpusFormatError("response has no tokens")
 
