@@ -189,12 +189,13 @@ long)
     # Issue 29 item 4: 131,072-token prompts on a random DeepSeek-V3-shaped model (hidden 7168, MLA,
     # 4 layers, vLLM dummy weights): ~7.5 GB of states per sample with every layer captured, through
     # the DEFAULT arena (no --arena-bytes), by leases and HTTP, against plain prefill of the same
-    # prompts; hsx bench reports server and client peak RSS. The corpus on disk, not /dev/shm.
+    # prompts; hsx bench reports server and client peak RSS. The corpus on disk, not /dev/shm: one
+    # measured prompt and one warm-up by default (~15 GB of corpus per transfer mode).
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
     ds="family=deepseek_v3,layers=4,hidden=7168,ffn=18432,moe_ffn=2048,experts=8,topk=2,q_lora=1536,heads=128"
     ds="$ds,kv_heads=128,vocab=129280,dtype=bfloat16,max_pos=131200,weights=0"
-    python3 -m hsx_tools.cli bench --make-model "$ds" --prompts "${LONG_PROMPTS:-2}" --prompt-len 131072 \
+    python3 -m hsx_tools.cli bench --make-model "$ds" --prompts "${LONG_PROMPTS:-1}" --prompt-len 131072 \
         --layers 1,2,3,4 --concurrency 1 --warmup 1 --max-model-len 131200 --engine-arg=--load-format=dummy \
         --engine-arg=--max-num-batched-tokens=16384 --engine-arg=--gpu-memory-utilization=0.85 --modes "${MODES:-a,c}" \
         --transfer "${TRANSFER:-auto,http:none}" --client-process --codec-sample 0 --workdir /tmp/hsxb \
