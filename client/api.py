@@ -332,10 +332,12 @@ class HsxClient:
             "X-Request-Id": rid,
         }
         ctx = http.stream("POST", server.url + "/hidden_states", content=payload, headers=headers)
+        t_sent = time.perf_counter()
         try:
             resp = await ctx.__aenter__()
         except httpx.HTTPError as exc:
             raise self._wrap_transport_error(exc, server, rid) from exc
+        server.response_s += time.perf_counter() - t_sent  # as a whole body's: request sent -> headers in
         try:
             server.answered = True
             resp_rid = resp.headers.get("x-request-id") or rid

@@ -123,9 +123,9 @@ mla)
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
     # MLA_ONLY=kimi: the Kimi-K2.5 model alone, bf16 (when the DeepSeek-V3 rows of this kit are on record).
-    ds=(--extra-model /tmp/tiny-deepseek-v3 --extra-quantization fp8)
+    deepseek=(--extra-model /tmp/tiny-deepseek-v3 --extra-quantization fp8)
     if [ "${MLA_ONLY:-}" = kimi ]; then
-        ds=()
+        deepseek=()
     else
         python3 -m hsx_tools.cli make-tiny-model /tmp/tiny-deepseek-v3 --family deepseek_v3 --layers 4 --heads 16 \
             --dtype bfloat16 >/dev/null
@@ -140,7 +140,7 @@ mla)
     fi
     runner=$(expected_runner)
     tag=$([ "${MLA_ONLY:-}" = kimi ] && echo kimi || echo mla)
-    python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" "${ds[@]}" "${kimi[@]}" \
+    python3 tests/gpu/check_cuda.py --skip-random --expect-runner "$runner" "${deepseek[@]}" "${kimi[@]}" \
         --json "$out/check-$tag-$ver.json" 2>&1 | tee "$out/check-$tag-$ver.log"
     # Which MLA / prefill / MoE backends vLLM picked, from the servers' logs.
     grep -hiE "backend|quantiz" /tmp/hsx-gpu-check-*/tiny-deepseek-v3*.log /tmp/hsx-gpu-check-*/tiny-kimi-k25*.log \

@@ -66,7 +66,8 @@ def test_bench_quick_three_modes(tmp_path: Path) -> None:
     cm = http["client_memory"]  # the client's memory is the parent and its two workers, not the parent alone
     assert cm["tree"]["processes"] >= 3 and cm["peak_rss"] >= cm["parent_peak_rss"] > 0
     prof = http["client_profile"]
-    assert prof["receive_s"] > 0 and prof["decode_s"] > 0 and prof["store_s"] > 0
+    # a streamed sample is parsed as it is received: no separate decode phase (decode_s 0)
+    assert prof["receive_s"] > 0 and prof["decode_s"] >= 0 and prof["store_s"] > 0
     assert prof["response_s"] > 0 and prof["implied_life_s"] > 0
     # a sample's life holds its request and its storing (the workers' books reached the bench)
     assert prof["life_s"] >= prof["response_s"] + prof["receive_s"] + prof["store_s"]
