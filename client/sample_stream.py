@@ -370,6 +370,7 @@ class HttpSampleStream:
         self.request_id = request_id
         self.server = server
         self.wire_bytes = 0
+        self.receive_s = 0.0  # headers in -> last byte in, once the body is through
         self.lease = None
 
     async def _next_raw(self) -> bytes | None:
@@ -438,8 +439,9 @@ class HttpSampleStream:
                     yield c
             pieces = await self._next_pieces()
         self._head = self._parser.finish()
+        self.receive_s = time.perf_counter() - self._t0
         if self._account is not None:
-            self._account(self.wire_bytes, self._parser.body_bytes, time.perf_counter() - self._t0)
+            self._account(self.wire_bytes, self._parser.body_bytes, self.receive_s)
 
     async def head(self) -> SampleHead:
         if self._head is None:
