@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hsx.dtypes import by_name as dtype_by_name
@@ -211,31 +212,15 @@ class PrefillEngine:
                 }
             },
         )
-        self.engine_running += 1
-        # The prefill runs in its own task, never cancelled while vLLM submits it:
-        # AsyncLLM.generate cancelled inside its add_request neither aborts the request
-        # nor tells the scheduler, so no notice would ever free the range (a client that
-        # hung up at that moment held it until request_timeout). On a hang-up or timeout
-        # the request is aborted by id instead, and the task is dropped once the notice
-        # says the worker is done with the range.
-        prefill = asyncio.get_running_loop().create_task(self._prefill(token_ids, params, request_id, notice))
-        prefill.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are raised below
-        timeout = self.settings.request_timeout if timeout is None else timeout
-        try:
-            msg = await asyncio.wait_for(asyncio.shield(prefill), timeout)
-        except BaseException as exc:
-            await self.abort(request_id, prefill)
+        def hand_over(exc: BaseException, prefill: asyncio.Task) -> None:
             # The engine may still write this range: free it only on the connector's notice
             # (every request the scheduler saw gets one; one vLLM refused before scheduling
             # is held until request_timeout, which hsx's own input checks make rare).
             held = reservation.hand_over()
             asyncio.get_running_loop().create_task(self._release_on_notice(notice, held, key, prefill))
-            answer = engine_error(exc, timeout)
-            if answer is not None:
-                raise answer from exc
-            raise
-        finally:
-            self.engine_running -= 1
+
+        msg = await self._run_prefill(self._prefill(token_ids, params, request_id, notice), request_id, timeout,
+                                      hand_over)
         if not msg["ok"]:  # the notice came: nothing writes the range, the caller frees it
             raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
         return msg["timing"]
@@ -255,17 +240,35 @@ class PrefillEngine:
                 "key": key, "offset": window.reservation.extent.offset, "nbytes": window.nbytes,
                 "layers": layer_index, CHUNKS_KEY: window.plan.to_params()}}},
         )
+        def close(exc: BaseException, prefill: asyncio.Task) -> None:
+            window.close()  # cancels the copies; the window is freed on the worker's end notice
+            if isinstance(exc, ChunkFailed):
+                raise EngineFailure(f"the engine did not deliver the hidden states ({exc})") from exc
+
+        return await self._run_prefill(self._prefill_chunked(token_ids, params, request_id, window), request_id,
+                                       timeout, close)
+
+    async def _run_prefill(self, coro: Any, request_id: str, timeout: float | None,
+                           on_failure: Callable[[BaseException, asyncio.Task], None]) -> Any:
+        """Run a prefill coroutine to its answer within `timeout`. On a hang-up, timeout or
+        engine error: abort the request, `on_failure` (which frees what the request held, or
+        raises its own answer), then the engine's answer (engine_error) or the exception.
+
+        The prefill runs in its own task, never cancelled while vLLM submits it:
+        AsyncLLM.generate cancelled inside its add_request neither aborts the request nor
+        tells the scheduler, so no notice would ever free the range (a client that hung up
+        at that moment held it until request_timeout). On a hang-up or timeout the request
+        is aborted by id instead, and the task is dropped once the notice says the worker is
+        done with the range."""
         self.engine_running += 1
-        prefill = asyncio.get_running_loop().create_task(self._prefill_chunked(token_ids, params, request_id, window))
-        prefill.add_done_callback(lambda t: t.cancelled() or t.exception())
+        prefill = asyncio.get_running_loop().create_task(coro)
+        prefill.add_done_callback(lambda t: t.cancelled() or t.exception())  # failures are raised below
         timeout = self.settings.request_timeout if timeout is None else timeout
         try:
             return await asyncio.wait_for(asyncio.shield(prefill), timeout)
         except BaseException as exc:
             await self.abort(request_id, prefill)
-            window.close()  # cancels the copies; the window is freed on the worker's end notice
-            if isinstance(exc, ChunkFailed):
-                raise EngineFailure(f"the engine did not deliver the hidden states ({exc})") from exc
+            on_failure(exc, prefill)
             answer = engine_error(exc, timeout)
             if answer is not None:
                 raise answer from exc
