@@ -15,6 +15,7 @@ needs it, so the archive goes out front to back in one pass.
 from __future__ import annotations
 
 import collections
+import io
 import pickle
 import struct
 import zipfile
@@ -75,8 +76,6 @@ class _Pickler(pickle.Pickler):
 
 def pickle_object(obj: Any) -> bytes:
     """`data.pkl` of `obj`, whose tensors are TensorRefs."""
-    import io
-
     buf = io.BytesIO()
     _Pickler(buf, protocol=_PROTOCOL).dump(obj)
     return buf.getvalue()

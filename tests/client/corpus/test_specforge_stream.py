@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import struct
 import tracemalloc
 import zipfile
 
@@ -109,21 +110,42 @@ def test_the_pickle_is_torchs_own():
     assert ours == theirs
 
 
+def local_extra_ids(path, info: zipfile.ZipInfo) -> list[int]:
+    """The ids of the extra fields in a record's local header."""
+    raw = path.read_bytes()
+    o = info.header_offset
+    name_len, extra_len = struct.unpack_from("<HH", raw, o + 26)
+    extra, ids = raw[o + 30 + name_len:o + 30 + name_len + extra_len], []
+    while extra:
+        fid, n = struct.unpack_from("<HH", extra)
+        ids.append(fid)
+        extra = extra[4 + n:]
+    return ids
+
+
 @pytest.mark.parametrize("mmap", [True, False])
-def test_zip64_records_load(tmp_path, mmap):
-    """The zip64 path (a storage past 4 GiB takes it), forced on a small archive."""
+@pytest.mark.parametrize("how", ["forced", "past_the_limit"])
+def test_zip64_records_load(tmp_path, monkeypatch, mmap, how):
+    """The zip64 path a storage past 4 GiB takes, on a small archive: forced, or with
+    zipfile's 4 GiB limit lowered below the storage (then the central directory and its end
+    record are zip64 too, as a sample of > 4 GiB makes them)."""
+    if how == "past_the_limit":
+        monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 1000)
     x = torch.arange(1000, dtype=torch.float32)
     s = StorageRef("0", torch.float32, 1000)
     path = tmp_path / "z.pt"
     with open(path, "wb") as f:
-        w = TorchZipWriter(f.write, force_zip64=True)
+        w = TorchZipWriter(f.write, force_zip64=how == "forced")
         w.begin(pickle_object({"x": TensorRef(s, 10, (2, 5), (100, 1))}))
         rec = w.open_record("data/0", s.nbytes)
         for part in x.split(333):
             rec.write(part.numpy().data)
         rec.close()
         w.close()
-    assert all(i.extra for i in zipfile.ZipFile(path).infolist())
+    info = zipfile.ZipFile(path).getinfo("archive/data/0")
+    assert 1 in local_extra_ids(path, info)  # the zip64 field
+    if how == "past_the_limit":
+        assert b"PK\x06\x06" in path.read_bytes()  # the zip64 end of central directory
     got = torch.load(path, weights_only=True, mmap=mmap)["x"]
     assert torch.equal(got, x.as_strided((2, 5), (100, 1), 10))
 
