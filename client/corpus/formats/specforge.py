@@ -179,8 +179,8 @@ class _StreamedCkpt:
         self._zip: TorchZipWriter | None = None
         self._states = None
 
-    def begin(self, write, force_zip64: bool = False) -> None:
-        self._zip = TorchZipWriter(write, force_zip64=force_zip64)
+    def begin(self, write) -> None:
+        self._zip = TorchZipWriter(write)
         self._zip.begin(self._pickled)
         self._states = self._zip.open_record("data/0", self._states_bytes)
 
