@@ -2,9 +2,10 @@
 into the sample's file, never held whole.
 
 The file is a `store.StreamedFile` (a temporary name, hashed in file order, fsync'ed,
-renamed): the format's first bytes (`fmt.stream_file`, from the stream's layout), each
-states chunk as it comes, then the format's last bytes (`fmt.stream_tail`, from the head:
-over HTTP the token ids arrive after the states). A crash or any error on the way leaves
+renamed), by the format's `stream_open` sample writer: its first bytes (from the stream's
+layout), each states chunk as it comes (through the format's `stream_chunk`: SpecForge
+applies the final norm there), then its last bytes (from the head: over HTTP the token ids
+arrive after the states). A crash or any error on the way leaves
 no file under the final name; the temporary one is removed here, or by the next run's
 `store.clean_temp_files` after a SIGKILL. The manifest entry is the caller's (run.py).
 """
@@ -38,16 +39,16 @@ async def store_stream(out: Path, fmt: Any, index: int, stream: Any, ctx: Any,
     the event loop (a pool thread). Raises CorpusFormatError (the format refuses it),
     StreamDropped, the stream's own errors (transport, malformed body), OSError."""
     layout = await states_layout(stream)
-    rel, first = fmt.stream_file(index, layout, ctx)
-    f = await blocking(store.StreamedFile, out, rel)
+    sample = fmt.stream_open(index, layout, ctx)
+    f = await blocking(store.StreamedFile, out, sample.rel)
     try:
-        await blocking(f.write, first)
+        await blocking(sample.begin, f.write)
         expected = 0
         async for c in stream.chunks():
             if c.start != expected or c.stop <= c.start or c.data.nbytes != (c.stop - c.start) * layout.row_bytes:
                 raise CorpusFormatError(f"states chunk [{c.start}, {c.stop}) of {c.data.nbytes} bytes "
                                         f"out of order after token {expected}")
-            await blocking(f.write, c.data)
+            await blocking(sample.chunk, c.data)
             expected = c.stop
         if expected != layout.shape[0]:
             raise CorpusFormatError(f"the stream ended after {expected} of {layout.shape[0]} tokens")
@@ -55,11 +56,10 @@ async def store_stream(out: Path, fmt: Any, index: int, stream: Any, ctx: Any,
         reason = drop_reason(fmt, head.loss_mask)
         if reason:
             raise StreamDropped(reason)
-        last, record = fmt.stream_tail(head, ctx)
-        for part in last:
-            await blocking(f.write, part)
+        record = await blocking(sample.end, head)
         info = await blocking(f.commit)
     except BaseException:
+        sample.abort()
         await blocking(f.abort)
         raise
-    return StreamStored({rel: info}, record, head)
+    return StreamStored({sample.rel: info}, record, head)

@@ -73,8 +73,8 @@ def long_inputs(tmp_path_factory) -> Path:
     return path
 
 
-def argv(server, out: Path, inputs: Path, *extra: str, transfer: str = "http") -> list[str]:
-    return ["--server", server.url, "--output", str(out), "--input", str(inputs), "--format", "speculators",
+def argv(server, out: Path, inputs: Path, *extra: str, transfer: str = "http", fmt: str = "speculators") -> list[str]:
+    return ["--server", server.url, "--output", str(out), "--input", str(inputs), "--format", fmt,
             "--max-length", str(TOKENS), "--transfer", transfer, "--workers", "1", "--quiet", "--json",
             "--max-buffer-bytes", str(BUDGET), "--concurrency-per-server", "2", *extra]
 
@@ -86,13 +86,14 @@ def run_client(args: list[str], rss_file: Path, whole: bool = False) -> dict:
     return json.loads(rss_file.read_text())
 
 
-def whole_states(server, request: dict) -> torch.Tensor:
+def whole_states(server, request: dict, with_norm: bool = False):
     from hsx_client.api import HsxClient
 
     async def go():
         async with HsxClient(server.url, transfer="http", compression="none") as client:
             d = await client.hidden_states(**request, max_length=TOKENS)
-            return d.hidden_states.clone()
+            states = d.hidden_states.clone()
+            return (states, await client.final_norm()) if with_norm else states
 
     return asyncio.run(go())
 
@@ -167,3 +168,34 @@ def test_sigkill_mid_sample_leaves_no_partial_file_and_resumes(big_server, long_
     assert_each_index_once(out, SAMPLES)  # also: no temporary file left
     assert_verify_ok(out)
     assert len(speculators_rows(out, max_len=TOKENS)) == SAMPLES
+
+
+def test_specforge_samples_stream_into_their_ckpt_files(big_server, long_inputs, tmp_path):
+    """SpecForge's files are written as the states arrive too (a torch.save archive front to
+    back, the final norm applied per chunk): SpecForge's own reader gets the states."""
+    from _e2e_helpers import specforge_batches
+
+    from hsx_client.postnorm import apply_final_norm
+
+    one = tmp_path / "one.jsonl"
+    one.write_text(long_inputs.read_text().splitlines()[0] + "\n")  # one sample proves it
+    out = tmp_path / "corpus"
+    r = subprocess.run([sys.executable, "-m", "hsx_tools.cli", "extract", *argv(big_server, out, one, fmt="specforge")],
+                       capture_output=True, text=True, timeout=600, env=cli_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_each_index_once(out, 1)
+    assert_verify_ok(out)
+    raw = torch.load(out / "rows/0000/data_0.ckpt", weights_only=True, mmap=True)
+    # the streamed file's layout (the whole path saves each tensor in a storage of its own):
+    # one storage of [T, 4H] rows, the normed last layer the last H of each row
+    last, aux = raw["hidden_state"], raw["aux_hidden_state"]
+    assert last.untyped_storage().data_ptr() == aux.untyped_storage().data_ptr()
+    assert (last.storage_offset(), last.stride()) == (3 * HIDDEN, (TOKENS * 4 * HIDDEN, 4 * HIDDEN, 1))
+    batches = specforge_batches(out, max_len=TOKENS)
+    assert list(batches) == [0]
+    request = json.loads(one.read_text())
+    want, norm = whole_states(big_server, request, with_norm=True)  # another prefill: float noise apart
+    b = batches[0]
+    assert b["input_ids"][0].tolist() == request["input_ids"]
+    torch.testing.assert_close(b["hidden_state"][0], want[:, :3].reshape(TOKENS, 3 * HIDDEN), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(b["target"][0], apply_final_norm(want[:, 3], norm), rtol=1e-4, atol=1e-4)

@@ -81,7 +81,16 @@ class FormatDefaults:
     fetched as they are, no drop rule of its own."""
 
     needs_final_norm = True
-    streams = False  # True: stream_file / stream_tail write a sample as it arrives (SpeculatorsFormat)
+    streams = False  # True: stream_open writes a sample as it arrives (hsx_client.corpus.stream_write)
+
+    def stream_open(self, index: int, layout: Any, ctx: CorpusContext) -> StreamedSample:
+        """One sample's file written as its states arrive; by default the format's
+        `stream_file` (first bytes), each chunk through `stream_chunk`, `stream_tail`."""
+        return StreamedSample(self, index, layout, ctx)
+
+    def stream_chunk(self, data: Any, layout: Any, ctx: CorpusContext) -> Any:
+        """A states chunk (token-major rows of layers x hidden) as the file holds it."""
+        return data
 
     def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
         return None
@@ -94,6 +103,34 @@ class FormatDefaults:
 
     def drop_reason(self, mask: np.ndarray) -> str | None:
         return None
+
+
+class StreamedSample:
+    """A sample's file front to back (store_stream calls begin, chunk per states chunk, end):
+    the plain layout of a format's stream_file / stream_chunk / stream_tail. A format whose
+    file needs state across chunks (SpecForge's zip: its CRCs) returns its own."""
+
+    def __init__(self, fmt: Any, index: int, layout: Any, ctx: CorpusContext) -> None:
+        self.fmt, self.layout, self.ctx = fmt, layout, ctx
+        self.rel, self._first = fmt.stream_file(index, layout, ctx)
+        self._write: Any = None
+
+    def begin(self, write: Any) -> None:
+        self._write = write
+        write(self._first)
+
+    def chunk(self, data: Any) -> None:
+        self._write(self.fmt.stream_chunk(data, self.layout, self.ctx))
+
+    def end(self, head: Any) -> dict:
+        """Writes the last bytes once the head (token ids, mask) is known; the record."""
+        last, record = self.fmt.stream_tail(head, self.ctx)
+        for part in last:
+            self._write(part)
+        return record
+
+    def abort(self) -> None:
+        """The sample is given up (its file is removed): nothing to undo here."""
 
 
 class Eagle3Format(FormatDefaults):

@@ -14,10 +14,11 @@ import torch
 from hsx import dtypes
 from hsx_client.corpus import store
 from hsx_client.corpus.formats.common import (
-    FORMAT_FILE, CorpusContext, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded,
-    format_json, make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
+    FORMAT_FILE, CorpusContext, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded, check_layout,
+    check_tokens, format_json, make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
 from hsx_client.postnorm import apply_final_norm
+from hsx_client.corpus.torch_zip import StorageRef, TensorRef, TorchZipWriter, pickle_object
 from hsx_client.corpus.vocab import count_supervised, specforge_vocab_files
 
 if TYPE_CHECKING:
@@ -70,6 +71,25 @@ class SpecForgeFormat(Eagle3Format):
         buf = io.BytesIO()
         torch.save(obj, buf)
         return SampleOutput({self.ckpt_path(index): buf.getvalue()}, make_record(ids, mask, source, ctx))
+
+    # A sample's file written as its states arrive (hsx_client.corpus.stream_write): a
+    # torch.save archive (hsx_client.corpus.torch_zip) of one storage of [T, 4H] rows, each
+    # token's layers as they came with the last one normed per chunk (stream_chunk);
+    # aux_hidden_state and hidden_state are views of it. torch.load gives the tensors
+    # encode_sample saves (as views: SpecForge's loader takes them as they are).
+    streams = True
+
+    def stream_open(self, index: int, layout, ctx: CorpusContext) -> _StreamedCkpt:
+        return _StreamedCkpt(self, index, layout, ctx)
+
+    def stream_chunk(self, data, layout, ctx: CorpusContext) -> memoryview:
+        """The chunk's rows with the last layer normed, in a fresh buffer (the chunk may be
+        a lease's shared memory, read in place: never written)."""
+        _, n_layers, h = layout.shape
+        out = np.frombuffer(data, dtype=np.uint8).copy()  # numpy's memory: tracemalloc counts it
+        rows = torch.from_numpy(out).view(layout.dtype).view(-1, n_layers, h)
+        rows[:, -1] = apply_final_norm(rows[:, -1], ctx.final_norm)
+        return out.data
 
     def _load(self, path: Path) -> dict:
         return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
@@ -132,3 +152,49 @@ class SpecForgeFormat(Eagle3Format):
         if not probs and not np.array_equal(raw["loss_mask"].numpy(), runs_to_mask(record["mask_runs"])):
             probs.append("loss_mask differs from the record")
         return probs
+
+
+class _StreamedCkpt:
+    """One sample's `.ckpt` front to back (stream_write: begin, chunk..., end): the pickle
+    and the states storage go first (their sizes are known from the layout), the token ids
+    and loss mask last (over HTTP they arrive after the states)."""
+
+    def __init__(self, fmt: SpecForgeFormat, index: int, layout, ctx: CorpusContext) -> None:
+        if ctx.final_norm is None:
+            raise CorpusFormatError("the specforge format needs the final norm (weights, eps) from the server")
+        check_layout(layout, ctx)
+        self.fmt, self.layout, self.ctx = fmt, layout, ctx
+        self.rel = fmt.ckpt_path(index)
+        t, n_layers, h = layout.shape
+        self.tokens = t
+        states = StorageRef("0", layout.dtype, t * n_layers * h)
+        rows = (t * n_layers * h, n_layers * h, 1)  # [1, T, .] over rows of n_layers * h
+        self._states_bytes = states.nbytes
+        self._pickled = pickle_object({
+            "input_ids": TensorRef(StorageRef("1", torch.int64, t), 0, (t,), (1,)),
+            "loss_mask": TensorRef(StorageRef("2", torch.int64, t), 0, (t,), (1,)),
+            "aux_hidden_state": TensorRef(states, 0, (1, t, (n_layers - 1) * h), rows),
+            "hidden_state": TensorRef(states, (n_layers - 1) * h, (1, t, h), rows),
+        })
+        self._zip: TorchZipWriter | None = None
+        self._states = None
+
+    def begin(self, write) -> None:
+        self._zip = TorchZipWriter(write)
+        self._zip.begin(self._pickled)
+        self._states = self._zip.open_record("data/0", self._states_bytes)
+
+    def chunk(self, data) -> None:
+        self._states.write(self.fmt.stream_chunk(data, self.layout, self.ctx))
+
+    def end(self, head) -> dict:
+        ids, mask, source = check_tokens(head, self.ctx, self.tokens)
+        self._states.close()
+        self._zip.record("data/1", np.ascontiguousarray(ids, dtype="<i8").data)
+        self._zip.record("data/2", np.ascontiguousarray(mask, dtype="<i8").data)
+        self._zip.close()
+        return make_record(ids, mask, source, self.ctx)
+
+    def abort(self) -> None:
+        if self._zip is not None:
+            self._zip.abandon()
