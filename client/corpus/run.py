@@ -3,7 +3,7 @@
     fetch   `POST /hidden_states` through HsxClient (least-loaded server, retries); a
             permanent failure is logged to failed.jsonl and the sample skipped;
     store   in a pool thread: decode, `fmt.encode_sample`, files written atomically
-            (store.write_files_atomic); a format that `streams` (speculators) instead gets
+            (store.write_files_atomic); a format that `streams` (speculators, SpecForge) instead gets
             the response as a stream and writes its file as the states arrive
             (hsx_client.corpus.stream_write), each stream admitted against the memory
             budget (hsx_client.byte_budget, `--max-buffer-bytes`);
