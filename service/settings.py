@@ -6,7 +6,7 @@ unchanged (see cli.py). Precedence: command-line flag > environment > default.
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import ByteSize, Field, TypeAdapter, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
 
@@ -20,6 +20,13 @@ def _int_list(value: object) -> object:
         if not value:
             return None
         return [int(x) for x in value.replace(" ", "").split(",") if x]
+    return value
+
+
+def _byte_size(value: object) -> object:
+    """`4GiB`, `512MiB`, `800MB` (pydantic's ByteSize units) or a plain count of bytes."""
+    if isinstance(value, str) and value.strip() and not value.strip().isdigit():
+        return int(TypeAdapter(ByteSize).validate_python(value))
     return value
 
 
@@ -137,6 +144,8 @@ class ServiceSettings(BaseSettings):
 
     _split_layers = field_validator("layers", mode="before")(_int_list)
     _split_keys = field_validator("api_key", "lease_api_key", mode="before")(_str_list)
+    _sizes = field_validator("max_body_bytes", "arena_bytes", "stream_window_bytes", "max_text_bytes",
+                             "tokenize_memory", "max_header_bytes", mode="before")(_byte_size)
 
 
 # The service's flags: name -> help, for cli.py and for the deployment tests.

@@ -144,6 +144,22 @@ def test_settings_from_environment(monkeypatch):
     assert ServiceSettings(port=9002).port == 9002  # a flag wins over the environment
 
 
+def test_byte_settings_take_units(monkeypatch):
+    """`--arena-bytes 16MiB` as the client's `--max-buffer-bytes 512MiB` (a bare count still works);
+    a size that means nothing is refused, naming the setting."""
+    from pydantic import ValidationError
+
+    from hsx_service.settings import ServiceSettings
+
+    monkeypatch.setenv("HSX_ARENA_BYTES", "16MiB")
+    s = ServiceSettings(stream_window_bytes="1 MiB", max_body_bytes="65536", tokenize_memory="4GiB")
+    assert (s.arena_bytes, s.stream_window_bytes, s.max_body_bytes, s.tokenize_memory) == (16 << 20, 1 << 20, 65536, 4 << 30)
+    with pytest.raises(ValidationError, match="arena_bytes"):
+        ServiceSettings(arena_bytes="lots")
+    with pytest.raises(ValidationError, match="arena_bytes"):  # the floor (1 MiB) holds with units too
+        ServiceSettings(arena_bytes="4KiB")
+
+
 def test_cli_flags_override_environment(monkeypatch):
     pytest.importorskip("vllm")
     from hsx_service.cli import parse
