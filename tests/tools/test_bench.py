@@ -177,3 +177,18 @@ def test_bench_scripts_start(script: str) -> None:
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "usage" in proc.stdout.lower(), proc.stderr[-2000:]
+
+
+@pytest.mark.engine
+def test_lease_only_profile_walks_a_chunked_sample_unread(chunk_server):
+    """hsx bench's "server + leases alone" arm on a sample larger than the stream window: its
+    chunk leases are walked and released unread (the sample is never collected), one request
+    at a time as `--concurrency 1` sends them."""
+    import asyncio
+
+    from conftest import WIDE_TOKENS, WIDE_VOCAB
+    from hsx_tools.bench.mode_c import _fire
+
+    prompt = [int(x) for x in np.random.default_rng(5).integers(3, WIDE_VOCAB, WIDE_TOKENS - 8)]
+    fired = asyncio.run(asyncio.wait_for(_fire(chunk_server.url, [prompt], 1, "none", lease=True), 240))
+    assert fired["n"] == 1 and fired["leased"] == 1 and fired["wire"] < 1 << 20

@@ -25,19 +25,37 @@ async def _fire(url: str, prompts: list[list[int]], concurrency: int, compressio
     """Requests through HsxClient, bodies decoded and dropped (warm-up, RSS soak); with
     `lease`, same-host leases released unread (the server side's own ceiling)."""
     from hsx_client.api import HsxClient
+    from hsx_client.lease_stream import LeaseStream
 
     sem = asyncio.Semaphore(concurrency)
     totals = {"wire": 0, "body": 0, "n": 0, "leased": 0}
 
     async with HsxClient([url], concurrency_per_server=concurrency, compression=compression) as client:
+        async def leased_unread(p: list[int]) -> None:
+            """A whole lease released at once, or a sample in the chunked lease form walked
+            chunk by chunk (each chunk's lease released as the next is asked for): never
+            collected, however long the sample."""
+            s = await client.hidden_states_stream({"input_ids": p}, lease_ok=True)
+            try:
+                chunked = isinstance(s, LeaseStream)
+                if s.lease is not None or chunked:
+                    totals["leased"] += 1
+                if chunked:
+                    async for _ in s.chunks():
+                        pass
+                await s.release()
+                totals["wire"] += s.wire_bytes
+            finally:
+                await s.aclose()
+
         async def one(p: list[int]) -> None:
             async with sem:
-                r = await client.hidden_states_response({"input_ids": p}, lease_ok=lease)
-                if r.lease is not None:
-                    totals["leased"] += 1
-                    await client.release_lease(r.lease)
-            totals["wire"] += r.wire_bytes
-            totals["body"] += len(r.body)
+                if lease:
+                    await leased_unread(p)
+                else:
+                    r = await client.hidden_states_response({"input_ids": p})
+                    totals["wire"] += r.wire_bytes
+                    totals["body"] += len(r.body)
             totals["n"] += 1
             if on_done is not None:
                 on_done(totals["n"])
