@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import time
 import uuid
@@ -395,6 +396,9 @@ class HsxClient:
                 try:
                     offer = (await self._get_json(server, "/info", rid)).get("shm_lease")
                     server.arena = await asyncio.to_thread(shm.attach, offer, self.api_key)
+                    # the chunked lease reader (and torch), loaded off the loop before any
+                    # lease's clock runs (hsx_client.lease_stream's docstring says why)
+                    await asyncio.to_thread(importlib.import_module, "hsx_client.lease_stream")
                 except shm.ShmUnavailable as exc:  # for good: this server's states come as bodies
                     server.arena_note = str(exc)
                 except HsxError:  # /info failed this time (loading?): bodies now, try again later

@@ -6,6 +6,10 @@ chunk as it lands in the arena. Each chunk is a view of this client's read-only 
 the arena: no copy. A chunk's lease is released (strictly: a 410 means the bytes may have
 been overwritten, LeaseExpiredError) as soon as the next chunk is asked for, so the server
 can copy a later chunk into its slot; the stream's memory is one HTTP line at a time.
+
+torch is imported with this module, which HsxClient loads in a thread when it attaches to an
+arena: imported lazily in `head()`, it ran on the event loop while the first chunk leases'
+clocks ran, and on a loaded box (seconds to minutes for a first `import torch`) they expired.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 from hsx import dtypes, wire
 from hsx_client.errors import HsxError, ServerError
@@ -75,8 +80,6 @@ class LeaseStream:
         if "token_ids" not in arrays:
             raise wire.WireFormatError("lease stream head lacks token_ids")
         meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != "lease"}
-        import torch
-
         shape = tuple(int(d) for d in lease["shape"])
         if len(shape) != 3 or shape[0] != len(arrays["token_ids"]):
             raise wire.WireFormatError(f"hidden_states {shape} does not match {len(arrays['token_ids'])} tokens")

@@ -119,3 +119,46 @@ def test_broken_streams_raise_and_release_what_is_held(records, error):
     with pytest.raises(error):
         asyncio.run(main())
     assert response.closed and client.released in ([], ["c0"], ["c1"])
+
+
+_ATTACH_SCRIPT = r'''
+import asyncio, sys, threading
+from hsx_client import api, shm
+from hsx_client.api import HsxClient
+
+loaded_in = {}
+real_import = api.importlib.import_module
+def spy(name):
+    loaded_in[name] = threading.current_thread() is threading.main_thread()
+    return real_import(name)
+api.importlib.import_module = spy
+class Arena:  # the arena handshake, faked
+    def close(self):
+        pass
+shm.attach = lambda offer, key: Arena()
+
+async def main():
+    async with HsxClient("http://127.0.0.1:9", transfer="auto") as client:
+        async def info(server, path, rid):
+            return {"shm_lease": {"socket": "@x"}}
+        client._get_json = info
+        before = "torch" in sys.modules
+        await client._arena_for(client._pool.servers[0], "rid")
+        print(before, "torch" in sys.modules, loaded_in)
+
+asyncio.run(main())
+'''
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch: seconds
+def test_attaching_to_an_arena_loads_the_lease_reader_and_torch_off_the_loop():
+    """A first `import torch` inside the lease stream's head() ran on the event loop after the
+    server had granted chunk leases; on a loaded box it took minutes and they expired. Now the
+    client loads the reader (torch with it) in a thread when it attaches, before any lease."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ATTACH_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # torch was not loaded before; it is after the attach; the reader was imported off the main thread
+    assert out.stdout.strip() == "False True {'hsx_client.lease_stream': False}", out.stdout
