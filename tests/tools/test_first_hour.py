@@ -64,6 +64,7 @@ def readme_snippet() -> str:
     return after.split("```python\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.slow  # worker processes / a fresh interpreter: seconds each
 def test_readme_snippet_is_a_script_that_fails_within_seconds_against_a_dead_url(tmp_path):
     from _client_fakes import dead_url
 

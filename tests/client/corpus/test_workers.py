@@ -86,12 +86,14 @@ def test_workers_that_keep_dying_stop_the_run_resumable(tmp_path):
     assert st.stopping and len(lines) < N
 
 
+@pytest.mark.slow  # worker processes / a fresh interpreter: seconds each
 def test_a_worker_error_stops_the_run(tmp_path):
     st, pool, lines = run_pool(tmp_path, error="servers unreachable: nobody answers")
     assert isinstance(st.fatal, WorkerError) and str(st.fatal) == "servers unreachable: nobody answers"
     assert pool.deaths == 0 and not lines
 
 
+@pytest.mark.slow  # worker processes / a fresh interpreter: seconds each
 def test_a_stop_request_ends_every_worker_with_what_they_stored(tmp_path):
     st, pool, lines = run_pool(tmp_path, stop_after=4, slow=0.05)
     assert st.stopping and st.stop_reason == "interrupted" and st.fatal is None
