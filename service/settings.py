@@ -6,9 +6,11 @@ unchanged (see cli.py). Precedence: command-line flag > environment > default.
 
 from __future__ import annotations
 
-from pydantic import ByteSize, Field, TypeAdapter, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
+
+from hsx.sizes import parse_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -24,9 +26,9 @@ def _int_list(value: object) -> object:
 
 
 def _byte_size(value: object) -> object:
-    """`4GiB`, `512MiB`, `800MB` (pydantic's ByteSize units) or a plain count of bytes."""
+    """`4GiB`, `512MiB`, `800MB` (hsx.sizes, as the client's --max-buffer-bytes) or a plain count."""
     if isinstance(value, str) and value.strip() and not value.strip().isdigit():
-        return int(TypeAdapter(ByteSize).validate_python(value))
+        return parse_bytes(value)
     return value
 
 

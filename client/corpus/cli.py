@@ -14,12 +14,12 @@ import argparse
 import json
 import os
 import sys
-import re
 import textwrap
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from hsx.sizes import parse_bytes
 from hsx_client.settings import COMPRESSIONS, DEFAULTS, TRANSFERS, ClientSettings, default_workers
 
 def exit_codes_help() -> str:
@@ -137,20 +137,12 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
     return p
 
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
-
-
 def _byte_size(text: str) -> int:
-    """`4GiB`, `512MiB`, `1e9`, `800MB` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9.e+]+)\s*([a-zA-Z]*)\s*", text)
+    """`4GiB`, `512MiB`, `1e9`, `800MB` -> bytes (hsx.sizes)."""
     try:
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else 0
-    except (KeyError, ValueError):
-        n = 0
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size (e.g. 512MiB, 4GiB)")
-    return n
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _env_settings() -> ClientSettings:

@@ -1,0 +1,21 @@
+"""Sizes in bytes as people write them (`4GiB`, `512MiB`, `800MB`, `1e9`): one parser for the
+client's `--max-buffer-bytes` and the server's byte settings (`--arena-bytes`, ...)."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """`4GiB`, `512MiB`, `1e9`, `800MB` -> bytes; ValueError for anything else or <= 0."""
+    m = re.fullmatch(r"\s*([0-9.e+]+)\s*([a-zA-Z]*)\s*", text)
+    try:
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else 0
+    except (KeyError, ValueError):
+        n = 0
+    if n <= 0:
+        raise ValueError(f"{text!r} is not a positive size (e.g. 512MiB, 4GiB)")
+    return n
