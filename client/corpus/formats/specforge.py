@@ -24,6 +24,13 @@ from hsx_client.corpus.vocab import count_supervised, specforge_vocab_files
 if TYPE_CHECKING:
     from hsx.wire import Decoded
 
+
+def _need_final_norm(ctx: CorpusContext) -> None:
+    """hidden_state is the last layer after the final norm: without it no sample can be written."""
+    if ctx.final_norm is None:
+        raise CorpusFormatError("the specforge format needs the final norm (weights, eps) from the server")
+
+
 class SpecForgeFormat(Eagle3Format):
     """SpecForge 0.2 offline: one torch.save'd `.ckpt` per sample in a sharded tree.
 
@@ -55,8 +62,7 @@ class SpecForgeFormat(Eagle3Format):
         return state_bytes_per_token(ctx) + 16
 
     def encode_sample(self, index: int, decoded: Decoded, ctx: CorpusContext) -> SampleOutput:
-        if ctx.final_norm is None:
-            raise CorpusFormatError("the specforge format needs the final norm (weights, eps) from the server")
+        _need_final_norm(ctx)
         hs, ids, mask, source = check_decoded(decoded, ctx)
         t, _, h = hs.shape
         # torch.cat / fresh tensors: torch.save must not drag a shared storage along.
@@ -160,8 +166,7 @@ class _StreamedCkpt:
     and loss mask last (over HTTP they arrive after the states)."""
 
     def __init__(self, fmt: SpecForgeFormat, index: int, layout, ctx: CorpusContext) -> None:
-        if ctx.final_norm is None:
-            raise CorpusFormatError("the specforge format needs the final norm (weights, eps) from the server")
+        _need_final_norm(ctx)
         check_layout(layout, ctx)
         self.fmt, self.layout, self.ctx = fmt, layout, ctx
         self.rel = fmt.ckpt_path(index)
