@@ -192,3 +192,23 @@ def test_lease_only_profile_walks_a_chunked_sample_unread(chunk_server):
     prompt = [int(x) for x in np.random.default_rng(5).integers(3, WIDE_VOCAB, WIDE_TOKENS - 8)]
     fired = asyncio.run(asyncio.wait_for(_fire(chunk_server.url, [prompt], 1, "none", lease=True), 240))
     assert fired["n"] == 1 and fired["leased"] == 1 and fired["wire"] < 1 << 20
+
+
+@pytest.mark.engine
+def test_lease_only_profile_reads_a_body_when_no_lease_is_offered(chunk_server, monkeypatch):
+    """The same arm where the client cannot map the server's arena (another host, a container):
+    the sample comes as an HTTP body, read and dropped, and counts as not leased."""
+    import asyncio
+
+    from conftest import WIDE_TOKENS, WIDE_VOCAB
+    from hsx_client import shm
+    from hsx_tools.bench.mode_c import _fire
+
+    def no_arena(offer, key):
+        raise shm.ShmUnavailable("the server runs on another host")
+
+    monkeypatch.setattr(shm, "attach", no_arena)
+    prompt = [int(x) for x in np.random.default_rng(6).integers(3, WIDE_VOCAB, WIDE_TOKENS - 8)]
+    fired = asyncio.run(asyncio.wait_for(_fire(chunk_server.url, [prompt], 1, "none", lease=True), 240))
+    states = (WIDE_TOKENS - 8) * 4 * 2048 * 4
+    assert fired["n"] == 1 and fired["leased"] == 0 and fired["body"] == states and fired["wire"] > states

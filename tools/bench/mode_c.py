@@ -34,16 +34,19 @@ async def _fire(url: str, prompts: list[list[int]], concurrency: int, compressio
         async def leased_unread(p: list[int]) -> None:
             """A whole lease released at once, or a sample in the chunked lease form walked
             chunk by chunk (each chunk's lease released as the next is asked for): never
-            collected, however long the sample."""
+            collected, however long the sample. A body (no lease offered) is read and dropped."""
             s = await client.hidden_states_stream({"input_ids": p}, lease_ok=True)
             try:
-                chunked = isinstance(s, LeaseStream)
-                if s.lease is not None or chunked:
+                if isinstance(s, LeaseStream):
                     totals["leased"] += 1
-                if chunked:
                     async for _ in s.chunks():
                         pass
-                await s.release()
+                elif s.lease is not None:
+                    totals["leased"] += 1
+                    await s.release()
+                else:
+                    async for c in s.chunks():
+                        totals["body"] += c.data.nbytes
                 totals["wire"] += s.wire_bytes
             finally:
                 await s.aclose()
