@@ -32,7 +32,7 @@ RUN groupadd --gid "${HSX_GID}" hsx \
     && chown -R hsx:hsx /home/hsx
 
 WORKDIR /opt/hsx/src
-COPY pyproject.toml README.md LICENSE ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY hsx ./hsx
 COPY service ./service
 COPY client ./client
