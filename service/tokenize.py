@@ -25,6 +25,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from hsx_service.chat_content import content_format, normalize_messages, reply_text
 from hsx_service.http.errors import BadInput
 
 PER_TURN_LIMIT = 64  # assistant turns the quadratic per-turn fallback may take
@@ -91,6 +92,7 @@ class Tokenizer:
         template_kwargs: dict[str, Any] | None = None,
     ) -> Encoded:
         template = self._template(template)
+        messages = normalize_messages(messages, content_format(template))
         if not any(m.get("role") == "assistant" for m in messages):
             raise BadInput("messages hold no assistant turn, so there is nothing to supervise")
 
@@ -132,7 +134,9 @@ class Tokenizer:
         """The prompt of POST /v1/chat/completions: the chat with the generation prompt,
         tokenized without special tokens added (the template holds them), as vLLM's
         chat route does."""
-        text = self._render(messages, tools, self._template(template), True, template_kwargs)
+        template = self._template(template)
+        messages = normalize_messages(messages, content_format(template))
+        text = self._render(messages, tools, template, True, template_kwargs)
         return Encoded(list(self.tok(text, add_special_tokens=False)["input_ids"]), None, "none")
 
 
@@ -186,8 +190,8 @@ def _turn_span(messages, i: int, full: str, render) -> Span | None:
 
 
 def _find_content(msg: dict[str, Any], full: str, cursor: int) -> Span | None:
-    content = msg.get("content") or ""
-    if not isinstance(content, str) or not content:
+    content = reply_text(msg.get("content"))
+    if not content:
         return None
     for text in _rendered_forms(content):
         start = full.find(text, cursor)

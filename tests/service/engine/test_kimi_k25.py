@@ -67,6 +67,10 @@ def test_tiny_kimi_k25_chat_goes_through_its_tokenizer(kimi_server):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["loss_mask_source"] == "chat_template" and 0 < sum(body["loss_mask"]) < len(body["token_ids"])
+    # Issue 36.0: a list of text parts was refused ("can only concatenate str (not "list") to str")
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in chat]
+    r = httpx.post(kimi_server.url + "/tokenize", json={"messages": parts}, timeout=60)
+    assert r.status_code == 200 and r.json()["token_ids"] == body["token_ids"], r.text
 
 
 def test_tiny_kimi_k25_checkpoint_has_moonshots_names(tmp_path):

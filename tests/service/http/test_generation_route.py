@@ -73,3 +73,24 @@ def test_hidden_states_take_allowed_template_kwargs(stories_server):
     bad = httpx.post(stories_server.url + "/hidden_states",
                      json={"messages": chat, "chat_template_kwargs": {"add_generation_prompt": True}}, timeout=60)
     assert bad.status_code == 422 and "add_generation_prompt" in bad.text and "allowed" in bad.text
+
+
+def test_content_parts_render_as_strings_on_every_route(stories_server):
+    """Issue 36.0: a list of text parts went through the llama3 template as Python text."""
+    chat = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Once upon a time."}]
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in chat]
+    url = stories_server.url
+    want, got = (httpx.post(url + "/tokenize", json={"messages": c}, timeout=60).json() for c in (chat, parts))
+    assert got["token_ids"] == want["token_ids"] and got["loss_mask"] == want["loss_mask"]
+    gen = [complete(stories_server, messages=c, max_tokens=2, temperature=0.0).json() for c in (chat[:1], parts[:1])]
+    assert gen[0]["prompt_token_ids"] == gen[1]["prompt_token_ids"]
+    states = [httpx.post(url + "/hidden_states", json={"messages": c}, headers={"Accept-Encoding": "identity"},
+                         timeout=60) for c in (chat, parts)]
+    assert states[0].status_code == states[1].status_code == 200 and states[0].content == states[1].content
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]},
+             chat[1]]
+    for route in ("/tokenize", "/hidden_states"):
+        r = httpx.post(url + route, json={"messages": image}, timeout=60)
+        assert r.status_code == 400 and "messages[0].content[0]" in r.text and "image_url" in r.text, r.text
+    r = complete(stories_server, messages=image[:1], max_tokens=2)
+    assert r.status_code == 400 and "image_url" in r.text, r.text
