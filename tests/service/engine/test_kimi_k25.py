@@ -15,7 +15,7 @@ import pytest
 
 from _reference import check_responses
 from _server import ServerProcess
-from conftest import need_cpu_mla, need_vllm
+from conftest import need_cpu_mla, need_vllm, ready_or_skip_fp32_mla
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ def kimi_server(kimi_model, log_dir):
         pytest.skip("this vLLM has no Kimi-K2.5")
     server = ServerProcess(str(kimi_model), "--dtype", "float32", "--max-model-len", "1024",
                            "--layers", ",".join(map(str, LAYERS)), log_dir=log_dir, name="kimi-k25")
-    yield server.wait_ready()
+    yield ready_or_skip_fp32_mla(server)
     server.stop()
 
 

