@@ -210,7 +210,7 @@ class Merger:
         try:
             done = self._done(manifest, plan["keys"])
             todo = [r for r in rows if r.index not in done]
-            merge_refresh.check_sources(out, todo, placements, manifest.entries)
+            merge_refresh.check_sources(todo, placements, manifest.entries)
             if todo and (out / store.CORPUS_NAME).exists():
                 (out / store.CORPUS_NAME).unlink()  # files went missing since: not finished any more
                 store.fsync_dir(out)

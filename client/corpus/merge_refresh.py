@@ -68,7 +68,7 @@ def refresh(out: Path, rows: list[Any], placements: list[Any], plan: dict[str, A
     return len(stale)
 
 
-def check_sources(out: Path, todo: list[Any], placements: list[Any], entries: list[dict[str, Any]]) -> None:
+def check_sources(todo: list[Any], placements: list[Any], entries: list[dict[str, Any]]) -> None:
     """The shard files of samples OUT held before (invalidated: found bad, or stale after a
     shard changed) must check out before they are placed again (MergeError names the shard)."""
     before = {int(e["index"]) for e in entries if "index" in e}
