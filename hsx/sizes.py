@@ -19,3 +19,12 @@ def parse_bytes(text: str) -> int:
     if n <= 0:
         raise ValueError(f"{text!r} is not a positive size (e.g. 512MiB, 4GiB)")
     return n
+
+
+def format_bytes(n: int) -> str:
+    """65536 -> `64 KiB`, 1 << 30 -> `1 GiB`: the largest binary unit that divides `n`
+    (as `parse_bytes` reads it back), else the plain count."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} bytes"

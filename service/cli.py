@@ -15,8 +15,10 @@ import os
 import shlex
 import sys
 
+from pydantic import ValidationError
+
 from hsx_service.http.errors import StartupError
-from hsx_service.settings import FLAG_NAMES, ServiceSettings, env_name
+from hsx_service.settings import FLAG_NAMES, ServiceSettings, env_name, refusal_line
 
 
 def _vllm_parser():
@@ -74,7 +76,10 @@ def parse(argv: list[str]):
     if not model:  # vLLM would quietly serve (and download) its own default model
         raise StartupError("give the model to serve: hsx serve MODEL (a path or hub id), or set HSX_MODEL")
     args.model = model
-    settings = ServiceSettings(model=args.model, **overrides)
+    try:
+        settings = ServiceSettings(model=args.model, **overrides)
+    except ValidationError as exc:  # one line naming the flag or variable, not pydantic's report
+        raise StartupError(refusal_line(exc, overrides)) from None
     engine_args = engine_args_cls.from_cli_args(args)
     return settings, engine_args
 

@@ -6,11 +6,14 @@ unchanged (see cli.py). Precedence: command-line flag > environment > default.
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+import os
+from collections.abc import Mapping
+
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
 
-from hsx.sizes import parse_bytes
+from hsx.sizes import format_bytes, parse_bytes
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -36,6 +39,10 @@ def _str_list(value: object) -> object:
     if isinstance(value, str):
         return [x.strip() for x in value.split(",") if x.strip()]
     return value
+
+
+BYTE_FIELDS = ("max_body_bytes", "arena_bytes", "stream_window_bytes", "max_text_bytes", "tokenize_memory",
+               "max_header_bytes")
 
 
 class ServiceSettings(BaseSettings):
@@ -146,8 +153,7 @@ class ServiceSettings(BaseSettings):
 
     _split_layers = field_validator("layers", mode="before")(_int_list)
     _split_keys = field_validator("api_key", "lease_api_key", mode="before")(_str_list)
-    _sizes = field_validator("max_body_bytes", "arena_bytes", "stream_window_bytes", "max_text_bytes",
-                             "tokenize_memory", "max_header_bytes", mode="before")(_byte_size)
+    _sizes = field_validator(*BYTE_FIELDS, mode="before")(_byte_size)
 
 
 # The service's flags: name -> help, for cli.py and for the deployment tests.
@@ -156,3 +162,28 @@ FLAG_NAMES = [name for name in ServiceSettings.model_fields if name != "model"]
 
 def env_name(field: str) -> str:
     return "HSX_" + field.upper()
+
+
+_BOUNDS = (("ge", "at least"), ("gt", "more than"), ("le", "at most"), ("lt", "less than"))
+
+
+def refusal_line(exc: ValidationError, flags: Mapping[str, object]) -> str:
+    """pydantic's report of bad settings as one line: each setting by the flag or HSX_*
+    variable it came from (`flags`: the values given as flags, by name), the value as
+    written there, and why."""
+    parts = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err.get("loc") else "?"
+        if name in flags:
+            where = f"--{name.replace('_', '-')} {flags[name]}"
+        else:
+            where = f"{env_name(name)}={os.environ.get(env_name(name), err.get('input'))}"
+        ctx = err.get("ctx") or {}
+        bound = next(((word, ctx[k]) for k, word in _BOUNDS if k in ctx), None)
+        if bound is not None:
+            limit = bound[1]
+            why = f"must be {bound[0]} " + (f"{format_bytes(limit)} ({limit} bytes)" if name in BYTE_FIELDS else str(limit))
+        else:
+            why = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{where}: {why}")
+    return "; ".join(parts)

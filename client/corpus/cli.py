@@ -255,16 +255,38 @@ def verify_main(argv: list[str] | None = None) -> int:
         print(f"... and {len(report['bad']) - 100} more (see {args.dir / 'verify.json'})", file=sys.stderr)
     for p in report["problems"]:
         print(f"PROBLEM: {p}", file=sys.stderr)
-    verdict = "OK" if report["ok"] else "FAILED"
-    print(
-        f"verify {verdict}: {report['done']}/{report['planned']} samples stored, {report['failed']} failed at "
-        f"extraction, {report.get('dropped', 0)} dropped (no supervised token), {report['missing']} missing, "
-        f"{report['bad_samples']} bad",
-        file=sys.stderr,
-    )
-    if report["bad"]:
-        print(f"rerun `hsx extract` on {args.dir} to redo the bad samples", file=sys.stderr)
+    print(verify_verdict(report), file=sys.stderr)
+    if report["bad"] or report["missing"]:
+        print(repair_advice(args.dir, report), file=sys.stderr)
     return 0 if report["ok"] else 1
+
+
+def verify_verdict(report: dict) -> str:
+    """The last line of `hsx verify`: the counts its files hold (a merged corpus's failed and
+    dropped samples are its shards', by the merge's record)."""
+    verdict = "OK" if report["ok"] else "FAILED"
+    merged = report.get("merged")
+    stored = f"{report['done']}/{merged['global_planned'] if merged else report['planned']} samples stored"
+    if merged:
+        stored += f" (merged from {len(merged['shards'])} shards)"
+    where = " in the shards" if merged else ""
+    return (f"verify {verdict}: {stored}, {report['failed']} failed at extraction{where}, "
+            f"{report.get('dropped', 0)} dropped (no supervised token){where}, {report['missing']} missing, "
+            f"{report['bad_samples']} bad")
+
+
+def repair_advice(out: Path, report: dict) -> str:
+    if not report.get("merged"):
+        return f"rerun `hsx extract --output {out}` (with its --server) to redo the bad or missing samples"
+    merged = report["merged"]
+    shared = [s["path"] for s in merged["shards"] if s["index"] in merged.get("shards_sharing_bad_files", [])]
+    return (f"rerun `hsx extract --output {out}` (with its --server) to extract the bad or missing samples again "
+            "in place (a repaired file replaces the merged corpus's link; the shard keeps its own), or repair the "
+            f"shards (`hsx verify SHARD`, then its `hsx extract`) and rerun `hsx merge {out} SHARD...`"
+            + (f"; the bad files are hard links into {', '.join(shared)}, which holds the same damage: "
+               "`hsx verify` it too" if len(shared) == 1 else
+               f"; the bad files are hard links into {', '.join(shared)}, which hold the same damage: "
+               "`hsx verify` them too" if shared else ""))
 
 
 if __name__ == "__main__":  # pragma: no cover
@@ -301,6 +323,7 @@ def merge_main(argv: list[str] | None = None) -> int:
         print(f"hsx merge: {s['shards']} shards -> {s['samples']} samples, {s['tokens']} tokens in {s['output']} "
               f"({s['linked']} files linked, {s['copied']} copied"
               + (f", {s['rewritten']} rewritten without their shard's index" if s.get("rewritten") else "")
+              + (f", {s['refreshed']} placed again: their shard changed" if s.get("refreshed") else "")
               + f", {s['seconds']} s)"
               + (f"; {s['failed_in_shards']} sample(s) had failed in their shards" if s["failed_in_shards"] else "")
               + (f"; {s['dropped_in_shards']} sample(s) were dropped in their shards (no supervised token)"

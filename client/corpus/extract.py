@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from hsx_client.corpus import plan as planning
-from hsx_client.corpus import disk_estimate, journal, store
+from hsx_client.corpus import disk_estimate, journal, merged, store
 from hsx_client.api import HsxClient
 from hsx_client.errors import AuthenticationError, HsxError, RetriesExhaustedError, ServersUnreachableError
 from hsx_client.corpus.plan import ConfigError
@@ -136,6 +136,7 @@ class Extractor:
         self._token_ratio: Any = None  # preflight.TokenCounts: the served tokenizer's counts of a sample
         self._disk_estimate: int | None = None
         self._tools_not_rendered = 0  # planned samples whose `tools` the chat template ignores
+        self._merged = False  # DIR is a merged corpus, repaired in place (hsx_client.corpus.merged)
 
     def request_stop(self, reason: str) -> None:
         """Stop admitting samples and cancel the requests in flight (exit 130)."""
@@ -180,6 +181,9 @@ class Extractor:
         cfg, out, hooks = self.cfg, self.out, self.hooks
         removed = store.clean_temp_files(out)
         plan = planning.load_plan(out)
+        self._merged = merged.is_merged(plan)
+        if self._merged:
+            merged.check_repairable(out, cfg.retry_failed)
         if plan is None:
             if cfg.resume:
                 raise ConfigError(f"--resume: {out} holds no plan.json (nothing to resume)")
@@ -309,7 +313,9 @@ class Extractor:
             redo += planning.invalidate(manifest, done, bad)
         redo += planning.drop_broken(out, keys, done, check_sizes=not compacted)
         failed = planning.failed_for_good(out, len(keys), done)
-        if compacted:  # the failed set is fixed; a repair whose request failed on the way is retried
+        if self._merged:  # the sample set is fixed: every repair that failed is retried
+            failed = {}
+        elif compacted:  # the failed set is fixed; a repair whose request failed on the way is retried
             repairs = planning.repairing(journal.read_jsonl(out / store.MANIFEST_NAME)[0], done)
             failed = {i: e for i, e in failed.items() if not (i in repairs and e.get("kind") in planning.RETRIED_KINDS)}
         else:
@@ -323,7 +329,9 @@ class Extractor:
         if not todo:
             return None
         corpus = self.out / store.CORPUS_NAME
-        if corpus.exists():  # the corpus changes: it is no longer finished
+        if self._merged:  # the corpus changes: no longer finished, the merge's record kept aside
+            merged.set_aside(self.out)
+        elif corpus.exists():  # the corpus changes: it is no longer finished
             corpus.unlink()
             store.fsync_dir(self.out)
         counts = self._token_ratio
@@ -372,7 +380,8 @@ class Extractor:
         else:
             t = time.monotonic()
             try:
-                corpus = finalize(out, state.fmt, state.ctx, plan, done, not_stored, info, final_norm, settings)
+                corpus = (merged.finish(out, state.fmt, state.ctx, n, done, not_stored) if self._merged else
+                          finalize(out, state.fmt, state.ctx, plan, done, not_stored, info, final_norm, settings))
             except OSError as exc:  # e.g. the disk filled up while writing the table
                 summary.update(status="error", message=(
                     f"finalize failed: {exc.strerror or exc}{': ' + exc.filename if exc.filename else ''}; "

@@ -15,8 +15,9 @@ Steps (OUT locked; every step can be killed and rerun):
  1. read and check the shards (`merge_check`): anything that disagrees is refused, exit 2;
  2. plan.json: the merged key list and a "merge" section naming every shard with the
     checksums of its plan.json and hsx_corpus.json. It is written before anything else and
-    is the journal: a rerun recomputes it from the shards and continues only if it is the
-    same (else refuses: OUT holds a merge of other shards);
+    is the journal: a rerun recomputes it from the shards and continues if it is the same;
+    shards repaired since (the same samples) bring OUT up to date (merge_refresh); else it
+    refuses: OUT holds a merge of other shards;
  3. the sample files, in batches: each is hard-linked from its shard under its new name;
     then the batch's directories are fsync'ed and its manifest lines appended in one fsync.
     A rerun skips the samples with a manifest line and redoes the rest (a link already in
@@ -44,12 +45,10 @@ manifest lines), `manifest:N` (after N manifest lines), `finalize` (before hsx_c
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import signal
-import struct
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -61,10 +60,12 @@ from typing import Any
 from hsx import __version__ as hsx_version
 from hsx.host import usable_cores
 
-from hsx_client.corpus import journal, store
+from hsx_client.corpus import journal, merge_refresh, store
 from hsx_client.corpus.formats import CorpusContext, format_options, get_format
 from hsx_client.corpus.settings import CorpusSettings
-from hsx_client.corpus.merge_check import PER_SHARD_CORPUS_FIELDS, MergeRefused, Shard, load_all
+from hsx_client.corpus.merge_check import PER_SHARD_CORPUS_FIELDS, MergeError, MergeRefused, Shard, load_all
+from hsx_client.corpus.merge_place import Placer
+from hsx_client.corpus.merged import REPAIRING_NAME
 from hsx_client.corpus.plan import PLAN_VERSION, split_dropped
 from hsx_client.corpus.provenance import files_digest
 from hsx_client.corpus.verify import renumbered_path
@@ -72,12 +73,6 @@ from hsx_client.corpus.verify import renumbered_path
 EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
 FAULT_ENV = "HSX_FAULT_MERGE"
 BATCH = 64  # samples placed between two manifest commits
-# os.link errors that mean "this filesystem pair will not link": copy instead.
-_NO_LINK = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
-
-
-class MergeError(Exception):
-    """The merge stopped (a shard file missing or corrupt, a disk error): exit 1, resumable."""
 
 
 @dataclass
@@ -125,7 +120,9 @@ def plan_rows(shards: list[Shard]) -> list[Row]:
 
 
 def merge_section(shards: list[Shard]) -> dict[str, Any]:
-    ident = [(sh.index, sh.plan_sha256, sh.corpus_sha256) for sh in shards]
+    # A shard's manifest only grows (a repair appends lines): its length tells a repaired shard even
+    # when its finalize rewrote an hsx_corpus.json of the same bytes.
+    ident = [(sh.index, sh.plan_sha256, sh.corpus_sha256, sh.manifest_bytes) for sh in shards]
     sec = shards[0].section
     return {
         "id": hashlib.sha256(json.dumps(ident).encode()).hexdigest(),
@@ -134,7 +131,8 @@ def merge_section(shards: list[Shard]) -> dict[str, Any]:
         "num_shards": sec["count"],
         "shards": [
             {"index": sh.index, "path": str(Path(sh.path).resolve()), "plan_sha256": sh.plan_sha256,
-             "corpus_sha256": sh.corpus_sha256, "done": len(sh.done), "failed": len(sh.failed)}
+             "corpus_sha256": sh.corpus_sha256, "manifest_bytes": sh.manifest_bytes, "done": len(sh.done),
+             "failed": len(sh.failed)}
             for sh in shards
         ],
     }
@@ -166,82 +164,6 @@ def _dst_files(fmt: Any, row: Row) -> list[tuple[str, str, dict[str, Any]]]:
     return out
 
 
-# ---------------------------------------------------------------- files
-def legacy_index_header(path: Path) -> tuple[int, bytes] | None:
-    """(old header length, the header without its "index") of a speculators sample file
-    written before files stopped naming their sample index, else None. Such a file is
-    rewritten (store.copy_file_atomic's `head`), not linked: in the merged corpus it sits
-    at another index than the one it names."""
-    if path.suffix != ".safetensors":
-        return None
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return None
-        n = struct.unpack("<Q", head)[0]
-        if n > 1 << 24:
-            return None
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            return None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    if not isinstance(meta, dict) or "index" not in meta:
-        return None
-    header["__metadata__"] = {k: v for k, v in meta.items() if k != "index"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % 8)  # the data stays 8-byte aligned, as safetensors writes it
-    return 8 + n, struct.pack("<Q", len(raw)) + raw
-
-
-class Placer:
-    """Puts a shard's file at its new name: a hard link, else a checksummed copy."""
-
-    def __init__(self) -> None:
-        self.links = 0
-        self.copies = 0
-        self.rewrites = 0
-        self._no_link: set[int] = set()  # st_dev of shards that cannot link into OUT
-
-    def place(self, src: Path, dst: Path, meta: dict[str, Any]) -> dict[str, Any]:
-        """Puts the file in place; returns its manifest meta in OUT (the shard's, unless rewritten)."""
-        try:
-            st = os.stat(src)
-        except FileNotFoundError:
-            raise MergeError(f"{src} is missing (its shard's manifest lists it): rerun the shard's hsx extract") from None
-        if st.st_size != meta.get("size"):
-            raise MergeError(f"{src} has {st.st_size} bytes, its shard's manifest says {meta.get('size')}: "
-                             "run `hsx verify` on the shard and rerun its hsx extract")
-        try:
-            if os.path.samestat(st, os.stat(dst)):  # linked by an earlier, interrupted run
-                self.links += 1
-                return meta
-            os.unlink(dst)  # a copy whose manifest line was never written: redo it
-        except FileNotFoundError:
-            pass
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        legacy = legacy_index_header(src)
-        try:
-            if legacy is not None:
-                digest = store.copy_file_atomic(src, dst, expected=store.recorded_digest(meta), head=legacy)
-                self.rewrites += 1
-                return {"size": os.stat(dst).st_size, store.HASH_ALGO: digest}
-            if st.st_dev not in self._no_link:
-                try:
-                    os.link(src, dst)
-                    self.links += 1
-                    return meta
-                except OSError as exc:
-                    if exc.errno not in _NO_LINK:
-                        raise
-                    self._no_link.add(st.st_dev)
-            store.copy_file_atomic(src, dst, expected=store.recorded_digest(meta))
-        except store.ChecksumError as exc:
-            raise MergeError(f"{exc}: run `hsx verify` on the shard and rerun its hsx extract") from None
-        self.copies += 1
-        return meta
-
-
 # ---------------------------------------------------------------- the run
 class Merger:
     def __init__(self, out: Path, shard_dirs: list[Path], *, workers: int | None = None, quiet: bool = True):
@@ -250,6 +172,7 @@ class Merger:
         self.workers = workers or max(2, min(8, 2 * usable_cores()))
         self.quiet = quiet
         self.placer = Placer()
+        self.refreshed = 0  # samples placed again because their shard changed (merge_refresh)
 
     def run(self) -> MergeResult:
         t0 = time.monotonic()
@@ -281,12 +204,13 @@ class Merger:
         if not rows:
             raise MergeRefused(["the shards hold no sample (every one failed): nothing to merge"])
         placements = [_dst_files(fmt, r) for r in rows]  # refuses unknown file layouts before any write
-        plan = self._journal(shards, rows)
+        plan = self._journal(shards, rows, placements)
 
         manifest = journal.JsonlLog(out / store.MANIFEST_NAME)
         try:
             done = self._done(manifest, plan["keys"])
             todo = [r for r in rows if r.index not in done]
+            merge_refresh.check_sources(todo, placements, manifest.entries)
             if todo and (out / store.CORPUS_NAME).exists():
                 (out / store.CORPUS_NAME).unlink()  # files went missing since: not finished any more
                 store.fsync_dir(out)
@@ -303,9 +227,11 @@ class Merger:
         _fault("finalize")
         corpus = self._provenance(shards, plan, done, written)
         store.write_json_atomic(out / store.CORPUS_NAME, corpus)
+        if (out / REPAIRING_NAME).exists():  # an `hsx extract` repair of OUT that this merge finished instead
+            (out / REPAIRING_NAME).unlink()
         return self._summary(shards, corpus)
 
-    def _journal(self, shards: list[Shard], rows: list[Row]) -> dict[str, Any]:
+    def _journal(self, shards: list[Shard], rows: list[Row], placements: list) -> dict[str, Any]:
         out = self.out
         plan = merged_plan(shards, rows)
         path = out / store.PLAN_NAME
@@ -313,10 +239,13 @@ class Merger:
             saved = json.loads(path.read_text())
             if not saved.get("merge"):
                 raise MergeRefused([f"{out} holds an extraction, not a merge: pick a new output"])
-            if saved["merge"]["id"] != plan["merge"]["id"] or saved["keys"] != plan["keys"]:
-                raise MergeRefused([f"{out} holds a merge of other shards (or of these shards before they changed): "
-                                    "pick a new output, or give the same shards"])
-            return saved
+            if saved["merge"]["id"] == plan["merge"]["id"] and saved["keys"] == plan["keys"]:
+                return saved
+            if not merge_refresh.same_samples(saved, plan):
+                raise MergeRefused([f"{out} holds a merge of other shards (or of shards extracted again with other "
+                                    "samples): pick a new output, or give the same shards"])
+            self.refreshed = merge_refresh.refresh(out, rows, placements, plan)  # a shard was repaired
+            return plan
         others = [p.name for p in out.iterdir() if p.name != store.LOCK_NAME]
         if others:
             raise MergeRefused([f"{out} is not empty and holds no merge ({', '.join(sorted(others)[:5])}): "
@@ -433,6 +362,7 @@ class Merger:
             "tokens": corpus["counts"]["tokens"], "failed_in_shards": corpus["counts"].get("global_failed", 0),
             "dropped_in_shards": corpus["counts"].get("global_dropped", 0),
             "linked": self.placer.links, "copied": self.placer.copies, "rewritten": self.placer.rewrites,
+            "refreshed": self.refreshed,
             "corpus": str(self.out / store.CORPUS_NAME),
         }
         if message:

@@ -37,6 +37,10 @@ PER_SHARD_CORPUS_FIELDS = frozenset(
 PER_SHARD_FORMAT_FIELDS = frozenset({"compacted_moves", "compaction_journal", "orphans_quarantined"})
 
 
+class MergeError(Exception):
+    """The merge stopped (a shard file missing or corrupt, a disk error): exit 1, resumable."""
+
+
 class MergeRefused(Exception):
     """The shards cannot be merged as given (exit 2); one line per problem."""
 
@@ -56,6 +60,7 @@ class Shard:
     moves: dict[int, int] = field(default_factory=dict)  # finalize's renumbering (speculators)
     plan_sha256: str = ""
     corpus_sha256: str = ""
+    manifest_bytes: int = 0  # manifest.jsonl's length: it grows with every sample redone
 
     @property
     def section(self) -> dict[str, Any]:
@@ -132,7 +137,7 @@ def load_shard(path: Path) -> tuple[Shard | None, list[str]]:
     return Shard(
         path=path, plan=plan, corpus=corpus, format_doc=format_doc, done=done, failed=failed,
         moves=compaction_moves(path), plan_sha256=_sha256(path / store.PLAN_NAME),
-        corpus_sha256=_sha256(corpus_path),
+        corpus_sha256=_sha256(corpus_path), manifest_bytes=os.path.getsize(path / store.MANIFEST_NAME),
     ), []
 
 

@@ -341,8 +341,9 @@ def take_shard(keys: list[str], spec: ShardSpec | None, *, settings: dict[str, A
 
 def shard_resume_problems(plan: dict[str, Any], spec: ShardSpec | None) -> list[str]:
     """Why an existing plan cannot be continued as `spec` (empty: it can)."""
-    if plan.get("merge"):
-        return ["it is a merged corpus (hsx merge) and takes no more samples; extract into a new --output"]
+    if plan.get("merge"):  # repaired in place (hsx_client.corpus.merged), never continued as a shard
+        return [] if spec is None else [f"it is a merged corpus (hsx merge), not shard {spec}: repair it without "
+                                        "--shard, or extract the shard into a new --output"]
     saved = plan.get("shard")
     if spec is None or (saved and (saved["index"], saved["count"]) == (spec.index, spec.count)):
         return []

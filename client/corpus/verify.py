@@ -16,6 +16,7 @@ the corpus (`..`, a symlink) is a problem of its sample, never opened (store.ins
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from typing import Any
 
 from hsx.host import usable_cores
 from hsx_client.corpus import journal, store
+from hsx_client.corpus.merged import record as merged_record
 from hsx_client.corpus.plan import ConfigError, failed_for_good, load_plan, split_dropped
 
 
@@ -143,7 +145,10 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
             problems.append(f"manifest has indices beyond the plan's {n}: {extra[:10]}")
             for i in extra:
                 del done[i]
-        failed = failed_for_good(out, n, done)
+        merge = plan.get("merge")
+        # A merged corpus holds no failed sample of its own (a repair that failed leaves its
+        # sample missing); what its shards failed and dropped is in the merge's record.
+        failed = {} if merge else failed_for_good(out, n, done)
         failures, dropped = split_dropped(failed)
         bad = verify_samples(out, fmt, keys, done, workers=workers, quiet=quiet)
         missing = [i for i in range(n) if i not in done and i not in failed]
@@ -175,6 +180,9 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
                     continue
                 if size != meta.get("size") or digest != want:
                     problems.append(f"finalize output {rel} changed since finalize (size/checksum)")
+        if merge:  # the shards' counts, as the merge recorded them
+            failures, dropped, of_merge = _merged_counts(out, merge)
+            of_merge["shards_sharing_bad_files"] = _linked_shards(out, bad, done)
         report = {
             "ok": not bad and not problems,
             "output": str(out),
@@ -187,6 +195,7 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
             "bad": bad,
             "problems": problems,
             "torn_manifest_lines": torn,
+            **({"merged": of_merge} if merge else {}),
         }
         vpath = out / store.VERIFY_NAME
         if bad:
@@ -195,3 +204,29 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
             vpath.unlink()
             store.fsync_dir(out)
         return report
+
+
+def _merged_counts(out: Path, merge: dict[str, Any]) -> tuple[list[int], list[int], dict[str, Any]]:
+    """(failed, dropped: by index in the global plan, facts of the merge) of a merged
+    corpus, from its record (hsx_corpus.json, or the copy a repair keeps aside)."""
+    doc = merged_record(out) or {}
+    m = doc.get("merge") or {}
+    shards = [{"index": s.get("index"), "path": s.get("path")} for s in merge.get("shards", [])]
+    return (list(m.get("global_failed_indices", [])), list(m.get("global_dropped_indices", [])),
+            {"shards": shards, "global_planned": merge.get("global_samples")})
+
+
+def _linked_shards(out: Path, bad: list[dict[str, Any]], done: dict[int, dict[str, Any]]) -> list[int]:
+    """The shards whose own files the merged corpus's bad samples are (hard links: the
+    same damage is in the shard)."""
+    shards = set()
+    for b in bad:
+        e = done.get(b["index"], {})
+        for rel in e.get("files", {}):
+            try:
+                linked = os.stat(store.inside(out, rel)).st_nlink > 1
+            except (OSError, store.UnsafePathError):
+                continue
+            if linked and e.get("shard") is not None:
+                shards.add(int(e["shard"]))
+    return sorted(shards)

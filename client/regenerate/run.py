@@ -38,6 +38,7 @@ class RegenConfig:
     shard: tuple[int, int] | None = None  # (index, count): conversation j goes to shard j % count
     max_conversations: int | None = None
     quiet: bool = False
+    transport: Any = None  # an httpx transport, for tests (as hsx extract's)
 
 
 @dataclass
@@ -104,7 +105,7 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
         from tqdm import tqdm
 
         bar = tqdm(total=len(todo), unit="conv", desc="regenerate", dynamic_ncols=True, smoothing=0.05)
-    client = HsxClient.from_settings(cfg.client)
+    client = HsxClient.from_settings(cfg.client, transport=cfg.transport)
     info = await _server_info(client)
     slots = asyncio.Semaphore(cfg.client.concurrency_per_server * len(client.servers))
 
@@ -175,10 +176,11 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
     }
     if not interrupted:
         manifest = journal.write_output(keys, manifest)
+    dropped = [k for k in keys if k in journal.done and journal.done[k] is None]  # journaled as None
     summary = {
         "output": str(cfg.output),
         "planned": len(keys),
-        "done_before": len(keys) - len(todo),
+        "done_before": len(keys) - len(todo),  # conversations earlier runs finished, dropped ones included
         "regenerated": stats["conversations"],
         "turns": stats["turns"],
         "generated_tokens": stats["generated_tokens"],
@@ -186,8 +188,12 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
         "length_cut_turns": stats["length_cut_turns"],
         "ended": dict(stats["ended"]),
         **({"variants": dict(stats["variants"])} if cfg.sampling.mix else {}),
-        # (this run's and earlier runs': a dropped conversation is journaled as None)
-        "dropped_context_full": sum(1 for k in keys if k in journal.done and journal.done[k] is None),
+        # the whole output, earlier runs' rows included: what the file holds once written
+        "in_output": output_counts(keys, journal.done),
+        "output_written": not interrupted,
+        "dropped_context_full": len(dropped),  # this run's and earlier runs'
+        "dropped_this_run": stats["dropped"],
+        "dropped_examples": dropped[:3],
         "failed": sum(failures.values()),
         "failed_by_reason": dict(failures),
         "failed_examples": dict(list(errors.items())[:5]),
@@ -202,6 +208,15 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
     if interrupted:
         return RegenResult(EXIT_INTERRUPTED, summary)
     return RegenResult(EXIT_OK if manifest["complete"] else EXIT_FAILED, summary)
+
+
+def output_counts(keys: list[str], done: dict[str, Any]) -> dict[str, int]:
+    """Rows, turns, generated tokens and turns cut by --max-tokens of the output (the journal's
+    rows in plan order, as `Journal.write_output` writes them)."""
+    rows = [done[k] for k in keys if done.get(k) is not None]
+    turns = [t for r in rows for t in r.get("hsx_turns", [])]
+    return {"rows": len(rows), "turns": len(turns), "generated_tokens": sum(len(t["token_ids"]) for t in turns),
+            "length_cut_turns": sum(t.get("finish_reason") == "length" for t in turns)}
 
 
 async def _server_info(client: HsxClient) -> dict[str, Any]:

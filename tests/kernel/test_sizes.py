@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hsx.sizes import parse_bytes
+from hsx.sizes import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize("text, n", [("4GiB", 4 << 30), ("512MiB", 512 << 20), (" 1 MiB ", 1 << 20), ("800MB", 800 * 10**6),
@@ -27,3 +27,8 @@ def test_the_client_flag_refuses_in_argparse_terms():
     assert _byte_size("16MiB") == 16 << 20
     with pytest.raises(argparse.ArgumentTypeError, match="not a positive size"):
         _byte_size("lots")
+
+
+def test_format_bytes_names_the_largest_unit_that_divides():
+    assert [format_bytes(n) for n in (65536, 1 << 30, 3 << 20, 1000)] == ["64 KiB", "1 GiB", "3 MiB", "1000 bytes"]
+    assert all(parse_bytes(format_bytes(n).replace(" bytes", "").replace(" ", "")) == n for n in (65536, 1000, 5 << 40))

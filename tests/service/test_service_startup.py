@@ -160,6 +160,25 @@ def test_byte_settings_take_units(monkeypatch):
         ServiceSettings(arena_bytes="4KiB")
 
 
+def test_a_setting_out_of_bounds_is_refused_in_one_line_naming_where_it_came_from(monkeypatch):
+    """Issue 36 item 5: `--stream-window-bytes` below 64 KiB printed pydantic's report."""
+    from pydantic import ValidationError
+
+    from hsx_service.settings import ServiceSettings, refusal_line
+
+    with pytest.raises(ValidationError) as flag:
+        ServiceSettings(stream_window_bytes="1000")
+    assert refusal_line(flag.value, {"stream_window_bytes": "1000"}) == \
+        "--stream-window-bytes 1000: must be at least 64 KiB (65536 bytes)"
+    monkeypatch.setenv("HSX_STREAM_WINDOW_BYTES", "4KiB")
+    monkeypatch.setenv("HSX_PORT", "x")
+    with pytest.raises(ValidationError) as env:
+        ServiceSettings()
+    line = refusal_line(env.value, {})
+    assert "\n" not in line and "HSX_STREAM_WINDOW_BYTES=4KiB: must be at least 64 KiB (65536 bytes)" in line
+    assert "HSX_PORT=x: Input should be a valid integer" in line
+
+
 def test_cli_flags_override_environment(monkeypatch):
     pytest.importorskip("vllm")
     from hsx_service.cli import parse
