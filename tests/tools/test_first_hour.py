@@ -119,6 +119,16 @@ def test_demo_serves_on_the_port_asked_or_a_free_one(tmp_path, monkeypatch, argv
         assert exc.value.code == 2
 
 
+def test_hsx_help_lists_every_tiny_model_family(capsys):
+    """Issue 36.9: `hsx --help` listed the families by hand, without kimi_k25."""
+    from hsx_tools.cli import main
+    from hsx_tools.tiny_model import FAMILIES
+
+    assert main(["--help"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "make-tiny-model" in x)
+    assert line.endswith(f"({', '.join(FAMILIES)})") and "kimi_k25" in line
+
+
 def test_demo_says_honestly_what_it_takes():
     from hsx_tools import demo
 
