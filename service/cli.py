@@ -55,10 +55,13 @@ def add_service_flags(parser: argparse.ArgumentParser) -> None:
         help_ = f"{field.description} [env {env_name(name)}; default {default!r}]"
         if _has_flag(parser, flag):
             continue
+        # SUPPRESS: a flag not given sets nothing (parse reads it with getattr(..., None)), and
+        # vLLM's help formatter then adds no "(default: None)" after the default named above.
         if field.annotation is bool:  # `--flag` alone means true; `--flag false` still works
-            group.add_argument(flag, dest=f"hsx_{name}", default=None, nargs="?", const="true", help=help_)
+            group.add_argument(flag, dest=f"hsx_{name}", default=argparse.SUPPRESS, nargs="?", const="true",
+                               help=help_)
         else:
-            group.add_argument(flag, dest=f"hsx_{name}", default=None, help=help_)
+            group.add_argument(flag, dest=f"hsx_{name}", default=argparse.SUPPRESS, help=help_)
 
 
 def parse(argv: list[str]):

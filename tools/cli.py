@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: hsx COMMAND [ARGS]
+from hsx_tools.tiny_model import FAMILIES  # light: the maker imports transformers only when it runs
+
+USAGE = f"""usage: hsx COMMAND [ARGS]
 
 commands:
   serve MODEL [vLLM engine flags] [hsx flags]   run the extraction server
@@ -18,7 +20,7 @@ commands:
   merge OUT SHARD_DIR...                          one corpus from the shards of `extract --shard I/N`
   demo                                            tiny CPU model + server + extract, end to end
   bench                                           benchmark against plain prefill and vLLM's file path
-  make-tiny-model DIR [--family F]                write a small random model (llama, qwen3_moe, qwen3_next, deepseek_v3)
+  make-tiny-model DIR [--family F]                write a small random model ({", ".join(FAMILIES)})
   quantize-tiny-model SRC DST --scheme S          FP8-block or W4A16 copy of a small model, and its dequantized twin
 
 `hsx COMMAND --help` for a command's flags.

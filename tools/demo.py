@@ -1,4 +1,5 @@
-"""`hsx demo`: the whole job on an embedded default, on CPU, in about a minute.
+"""`hsx demo`: the whole job on an embedded default, on CPU; a few minutes on a small CPU box
+(most of it the engine's start).
 
 Makes a small random Llama (with tokenizer and chat template), starts `hsx serve`
 on it, extracts a handful of built-in chats with `hsx extract` into a speculators
@@ -28,11 +29,22 @@ CHATS = [
 ]
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535, got {text!r}")
+    return port
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="hsx demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="hsx-demo", help="where the model, inputs, corpus and log go (default ./hsx-demo)")
     p.add_argument("--format", default="speculators", choices=["speculators", "specforge"])
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the server")
+    p.add_argument("--port", type=_port, default=None, help="port of the demo's server on 127.0.0.1 (default: a free one)")
     a = p.parse_args(argv)
 
     from hsx_tools.tiny_model import make_tiny_llama
@@ -54,7 +66,7 @@ def main(argv: list[str]) -> int:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     args = ["--dtype", "float32", "--layers", "1,2,4,6", "--max-model-len", "1024", "--arena-bytes", str(256 << 20)]
-    server = ServerProcess(str(model), *args, log_path=log, env=env)
+    server = ServerProcess(str(model), *args, log_path=log, env=env, port=a.port)
     print(f"[demo] starting: {' '.join(server.cmd[2:])}  (log: {log})", flush=True)
     try:
         t0 = time.monotonic()

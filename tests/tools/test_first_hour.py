@@ -88,6 +88,53 @@ def test_demo_hint_names_no_port_of_the_server_it_stopped():
     assert "{server.url}/hidden_states" not in src and "hsx serve {model}" in src
 
 
+@pytest.mark.parametrize("argv, port", [([], None), (["--port", "8123"], 8123)])
+def test_demo_serves_on_the_port_asked_or_a_free_one(tmp_path, monkeypatch, argv, port):
+    """Issue 36.9: `hsx demo` had no --port. The server stand-in records its port and fails
+    to start, so no engine runs."""
+    from hsx_tools import demo, server_process
+
+    started = []
+
+    class NoServer:
+        def __init__(self, model, *args, log_path, env=None, port=None):
+            started.append(port)
+            self.cmd = ["python", "-m", "hsx", model, *args]
+
+        def wait_ready(self, timeout):
+            raise server_process.ServerStartError("stand-in: no engine here")
+
+        def stop(self, timeout=60):
+            return 0
+
+    monkeypatch.setattr(server_process, "ServerProcess", NoServer)
+    (tmp_path / "tiny-llama").mkdir()
+    (tmp_path / "tiny-llama" / "config.json").write_text("{}")  # the model is there: none is made
+    with pytest.raises(SystemExit, match="stand-in"):
+        demo.main(["--workdir", str(tmp_path), *argv])
+    assert started == [port]
+    for bad in ("0", "70000", "http"):
+        with pytest.raises(SystemExit) as exc:
+            demo.main(["--port", bad])
+        assert exc.value.code == 2
+
+
+def test_hsx_help_lists_every_tiny_model_family(capsys):
+    """Issue 36.9: `hsx --help` listed the families by hand, without kimi_k25."""
+    from hsx_tools.cli import main
+    from hsx_tools.tiny_model import FAMILIES
+
+    assert main(["--help"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "make-tiny-model" in x)
+    assert line.endswith(f"({', '.join(FAMILIES)})") and "kimi_k25" in line
+
+
+def test_demo_says_honestly_what_it_takes():
+    from hsx_tools import demo
+
+    assert "about a minute" not in demo.__doc__ and "a few minutes on a small CPU box" in demo.__doc__
+
+
 # ------------------------------------------------------------------ pre-flight (issue 10.2, lead 3)
 def test_too_few_layers_for_eagle3_refused_before_any_sample(tmp_path, data):
     out = tmp_path / "new" / "out"

@@ -1,7 +1,14 @@
 """POST /v1/chat/completions on hsx serve's embedded engine, and chat_template_kwargs on
-/hidden_states: against the session-shared stories260K server (no engine of its own)."""
+/hidden_states: against the session-shared stories260K server (no engine of its own).
+Also the peers' own clients against it (issue 36.11): the `openai` package, and
+speculators 0.9's `regenerate-responses` CLI whose output `hsx extract` turns into a corpus."""
 
 from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -100,3 +107,90 @@ def test_content_parts_render_as_strings_on_every_route(stories_server):
         assert r.status_code == 400 and "messages[0].content[0]" in r.text and "image_url" in r.text, r.text
     r = complete(stories_server, messages=image[:1], max_tokens=2)
     assert r.status_code == 400 and "image_url" in r.text, r.text
+
+
+# ----------------------------------------------------------------------------- peers' clients
+
+
+def served_name(server) -> str:
+    return httpx.get(server.url + "/info", timeout=30).json()["model"]
+
+
+def test_openai_client_lists_the_model_and_generates(stories_server):
+    """Issue 36.11: the official client's models.list() got 404 (hsx served no /v1/models)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=stories_server.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    models = client.models.list().data
+    assert [m.id for m in models] == [served_name(stories_server)]
+    assert models[0].object == "model" and models[0].owned_by == "vllm"
+    assert models[0].model_extra["max_model_len"] == 512 and models[0].model_extra["root"]
+    reply = client.chat.completions.create(model=models[0].id, messages=CHAT, max_tokens=8, temperature=0.0)
+    choice = reply.choices[0]
+    assert isinstance(choice.message.content, str) and choice.finish_reason in ("length", "stop")
+    assert reply.model == models[0].id
+    assert reply.usage.completion_tokens == len(choice.model_extra["token_ids"]) <= 8
+    assert reply.usage.prompt_tokens == len(reply.model_extra["prompt_token_ids"])
+    with pytest.raises(openai.BadRequestError, match="not served"):
+        client.chat.completions.create(model="other-model", messages=CHAT, max_tokens=2)
+
+
+def _speculators_cli_importable() -> None:
+    for mod in ("speculators", "typer", "aiohttp", "datasets", "transformers"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"speculators' regenerate-responses needs {mod}, not installed")
+
+
+@pytest.mark.slow
+@pytest.mark.fixtures
+def test_speculators_regenerate_responses_then_hsx_extract(stories_server, tmp_path):
+    """speculators' own CLI finds the model through /v1/models (it stopped with "No models
+    found at endpoint"), regenerates two real chats, and `hsx
+    extract` turns its rows (input_ids + loss_mask) into a verified speculators corpus
+    whose states are transformers' own."""
+    from conftest import need_fixtures
+    from _e2e_helpers import (TEMPLATE, assert_verify_ok, check_speculators_corpus, cli_env, run_extract,
+                              speculators_rows, stored_keys_by_row, tokenizer)
+    from _server import CHAT as CHATS
+
+    need_fixtures()
+    _speculators_cli_importable()
+    threads = (CHATS / "oasst" / "threads.messages.jsonl").read_text().splitlines()
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(threads[0] + "\n" + threads[3] + "\n")  # one user turn; two
+    out = tmp_path / "regen.jsonl"
+    env = {**cli_env(), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "speculators", "regenerate-responses",
+                        "--endpoint", stories_server.url + "/v1/chat/completions", "--dataset", str(chats),
+                        "--outfile", str(out), "--max-tokens", "96", "--concurrency", "2",
+                        "--sampling-params", json.dumps({"temperature": 0})],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"Auto-detected model: {served_name(stories_server)}" in r.stdout, r.stdout[-3000:]
+    errors = out.with_name("regen.errors.jsonl")
+    assert not errors.exists() or not errors.read_text().strip(), errors.read_text()
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert {row["primary_id"] for row in rows} == {json.loads(t)["id"] for t in (threads[0], threads[3])}
+
+    tok = tokenizer()
+    first_user = {json.loads(t)["id"]: json.loads(t)["messages"][:1] for t in (threads[0], threads[3])}
+    for row in rows:
+        ids, mask = row["input_ids"], row["loss_mask"]
+        generated = row["metadata"]["usage"]["completion_tokens"]
+        assert generated >= 1 and mask == [0] * (len(ids) - generated) + [1] * generated
+        if row["id"].endswith("_gen0"):  # the prompt is the chat hsx serve rendered, generation prompt on
+            text = tok.apply_chat_template(first_user[row["primary_id"]], chat_template=TEMPLATE.read_text(),
+                                           add_generation_prompt=True, tokenize=False)
+            assert ids[:len(ids) - generated] == tok(text, add_special_tokens=False)["input_ids"]
+
+    corpus = tmp_path / "corpus"
+    summary = run_extract([stories_server], corpus, "--input", str(out), "--format", "speculators",
+                          "--layers", "1,2,4,5", "--no-shuffle")
+    assert summary["failed"] == 0, summary
+    assert_verify_ok(corpus)
+    stored = speculators_rows(corpus)
+    assert [(s["input_ids"].tolist(), s["loss_mask"].tolist()) for s in stored] == \
+        [(row["input_ids"], row["loss_mask"]) for row in rows]
+    assert len(stored_keys_by_row(corpus)) == len(rows)
+    from hsx_client.corpus.inputs import read_samples
+
+    check_speculators_corpus(corpus, {s.key: s.request for s in read_samples([str(out)])}, 512, "left")

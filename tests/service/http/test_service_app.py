@@ -155,6 +155,29 @@ async def test_a_new_route_is_guarded_by_default(arena):
         assert (await c.get("/openapi.json")).json()["info"]["title"] == "hsx"
 
 
+async def test_v1_models_lists_the_served_model_as_vllm_does_behind_the_key(arena):
+    """Issue 36.11: no /v1/models (404) stopped speculators' regenerate-responses ("No
+    models found at endpoint") and the openai client's models.list()."""
+    app, st, engine = make_app(arena, api_key=[KEY])
+    async with client(app) as c:
+        assert (await c.get("/v1/models")).status_code == 401
+        r = await c.get("/v1/models", headers=AUTH)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "list" and len(body["data"]) == 1
+        card = body["data"][0]
+        facts = engine.facts
+        assert {k: card[k] for k in ("id", "object", "owned_by", "root", "parent", "max_model_len")} == {
+            "id": facts.served_model_name, "object": "model", "owned_by": "vllm", "root": facts.model,
+            "parent": None, "max_model_len": facts.max_model_len}
+        assert abs(card["created"] - time.time()) < 60
+        assert [p["object"] for p in card["permission"]] == ["model_permission"]
+    app, st, _ = make_app(arena, serving=False)
+    async with client(app) as c:
+        r = await c.get("/v1/models")
+        assert r.status_code == 503 and r.json()["error"]["type"] == "not_ready"
+
+
 @pytest.mark.parametrize("route", ["/hidden_states", "/tokenize"])
 async def test_refusals_before_the_body_are_the_error_classes(arena, route):
     app, st, _ = make_app(arena, api_key=[KEY], max_body_bytes=2048)

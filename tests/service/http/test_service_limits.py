@@ -209,6 +209,29 @@ def test_hsx_serve_help_names_its_flags_and_the_engine_groups():
     assert "--trust-request-chat-template" in {s for a in parser._actions for s in a.option_strings}
 
 
+def test_hsx_serve_help_says_each_flags_default_once(capsys):
+    """Issue 36.9: every hsx flag in `--help=hsx` ended `[env ...; default X] (default: None)`
+    (vLLM's help formatter adds argparse's own default, None for every hsx flag)."""
+    pytest.importorskip("vllm")
+    from hsx_service.cli import parse
+    from hsx_service.settings import FLAG_NAMES, ServiceSettings
+
+    with pytest.raises(SystemExit) as exc:
+        parse(["--help=hsx"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text
+    shown = [n for n in FLAG_NAMES if f"--{n.replace('_', '-')} " in text]
+    assert len(shown) >= len(FLAG_NAMES) - 3  # (a flag vLLM defines too is listed in vLLM's group)
+    for name in shown:
+        default = ServiceSettings.model_fields[name].get_default(call_default_factory=True)
+        assert text.count(f"[env HSX_{name.upper()}; default {default!r}]") == 1, name
+    settings, _ = parse(["some-model", "--api-key", "k", "--shm-lease", "false"])  # given flags still set
+    assert settings.accepted_keys == ["k"] and settings.shm_lease is False
+    settings, _ = parse(["some-model"])  # flags not given: the settings' defaults
+    assert settings.accepted_keys == [] and settings.shm_lease is ServiceSettings.model_fields["shm_lease"].default
+
+
 def test_hsx_serve_without_a_model_is_refused(monkeypatch):
     pytest.importorskip("vllm")
     from hsx_service.cli import parse
