@@ -34,13 +34,11 @@ from hsx_service.http.schema import HiddenStatesRequest
 from hsx_service.body.compress import CompressPool, default_threads
 from hsx_service.body.response import Body, Stats, stream_identity
 from hsx_service.settings import ServiceSettings
+from hsx_service.text_bounds import check_text_bytes, default_max_text_bytes, is_long
 from hsx_service.tokenize import Encoded
 from hsx_service.tokenize_pool import TokenizerPool
 
 log = logging.getLogger("hsx.serving")
-
-TEXT_BYTES_PER_TOKEN = 64
-MIN_TEXT_BYTES = 4 << 20
 
 
 @dataclass
@@ -86,9 +84,9 @@ class HiddenStatesService:
         self.max_tokens = min(
             settings.max_tokens_per_request or self.facts.max_model_len - 1, self.facts.max_model_len - 1
         )
-        # Text beyond what max_tokens could ever need (64 bytes a token is generous) is
-        # work without use: refused before any templating or tokenizing.
-        self.max_text_bytes = settings.max_text_bytes or max(MIN_TEXT_BYTES, TEXT_BYTES_PER_TOKEN * self.max_tokens)
+        # Text beyond what max_tokens could ever need is work without use: refused before any
+        # templating or tokenizing, on every route that takes text (text_bounds.py).
+        self.max_text_bytes = settings.max_text_bytes or default_max_text_bytes(self.max_tokens)
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
                                      settings.zstd_level, frame_threads=settings.zstd_frame_threads)
         self.leases: Leases | None = None
@@ -121,7 +119,9 @@ class HiddenStatesService:
         ids = sorted(set(asked))
         return ids, [served.index(k) for k in ids]
 
-    def _check_text(self, req: HiddenStatesRequest) -> None:
+    def _check_text(self, req: HiddenStatesRequest) -> int:
+        """Refuses a request template the server does not run, too many messages or too much
+        text; returns its text bytes."""
         if req.chat_template is not None and not self.settings.trust_request_chat_template:
             raise BadInput("this server does not run request-supplied chat templates (a template is code); "
                            "leave chat_template out to use the server's, or start it with "
@@ -129,12 +129,9 @@ class HiddenStatesService:
         if req.messages is not None and len(req.messages) > self.settings.max_messages:
             raise TooLarge(f"{len(req.messages)} messages; this server takes at most {self.settings.max_messages} "
                            "(--max-messages)")
-        size = text_bytes(req)
-        if size > self.max_text_bytes:
-            raise TooLarge(f"{size} bytes of text; this server takes at most {self.max_text_bytes} bytes a request "
-                           "(--max-text-bytes): send a shorter input")
+        return check_text_bytes(req, self.max_text_bytes)
 
-    async def _encode(self, req: HiddenStatesRequest) -> Encoded:
+    async def _encode(self, req: HiddenStatesRequest, client: str = "") -> Encoded:
         if req.input_ids is not None:  # never waits for the tokenizer pool
             vocab = self.facts.vocab_size
             bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
@@ -142,13 +139,16 @@ class HiddenStatesService:
                 raise BadInput(f"input id {bad} is outside the vocabulary 0..{vocab - 1}")
             mask = list(req.loss_mask) if req.loss_mask is not None else None
             return Encoded(list(req.input_ids), mask, "request" if mask is not None else "none")
-        self._check_text(req)
+        limit = self._limit(req)
+        # Refused past the limit: tokenizing stops there (Encoded.complete), however long the text.
+        bounds = {"client": client, "long": is_long(self._check_text(req), limit),
+                  "most": limit if req.truncation == "error" else None}
         if req.prompt is not None:
-            keep = self._limit(req) if req.truncation == "right" else None
-            return await self.tokenizer.encode("prompt", req.prompt, req.add_special_tokens, keep)
+            keep = limit if req.truncation == "right" else None
+            return await self.tokenizer.encode("prompt", req.prompt, req.add_special_tokens, keep, **bounds)
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         return await self.tokenizer.encode("chat", messages, req.tools, req.chat_template, req.assistant_mask,
-                                           req.chat_template_kwargs)
+                                           req.chat_template_kwargs, **bounds)
 
     def _limit(self, req: HiddenStatesRequest) -> int:
         return min(req.max_length or self.max_tokens, self.max_tokens)
@@ -162,8 +162,9 @@ class HiddenStatesService:
             return enc
         if req.truncation == "error":
             who = "max_length" if req.max_length and req.max_length <= self.max_tokens else "this server's limit"
+            count = str(n) if enc.complete else f"more than {limit}"
             raise TooLarge(
-                f"{n} tokens exceed {who} of {limit} tokens (max_model_len {self.facts.max_model_len}); "
+                f"{count} tokens exceed {who} of {limit} tokens (max_model_len {self.facts.max_model_len}); "
                 "send truncation='right' or 'left' to cut, or a shorter input"
             )
         sl = slice(0, limit) if req.truncation == "right" else slice(n - limit, n)
@@ -179,19 +180,20 @@ class HiddenStatesService:
                    if input_tokens > len(enc.token_ids) else "")
             raise NoSupervisedTokens(f"no supervised token{cut}: the loss mask is all zero")
 
-    async def prepare(self, req: HiddenStatesRequest) -> Prepared:
+    async def prepare(self, req: HiddenStatesRequest, client: str = "") -> Prepared:
+        """`client`: who sends it (guard.py names it), for a fair share of the tokenizer processes."""
         layer_ids, layer_index = self._layers(req.layers)
-        enc = await self._encode(req)  # templating and tokenizing: in the pool's processes
+        enc = await self._encode(req, client)  # templating and tokenizing: in the pool's processes
         cut = self._truncate(enc, req)
         self._check_supervised(cut, req, len(enc.token_ids))
         return Prepared(cut, layer_ids, layer_index, len(enc.token_ids))
 
-    async def tokenize(self, req: HiddenStatesRequest, request_id: str) -> dict:
+    async def tokenize(self, req: HiddenStatesRequest, request_id: str, client: str = "") -> dict:
         """POST /tokenize: the token ids and loss mask /hidden_states would prefill for
         this body (same template, masks, truncation), without the engine: the token
         table of an online-training corpus costs no GPU pass (`hsx extract --states none`).
         The guard's gate door refuses it while draining, as it does /hidden_states."""
-        prep = await self.prepare(req)
+        prep = await self.prepare(req, client)
         enc = prep.encoded
         return {
             "token_ids": enc.token_ids,
@@ -215,7 +217,7 @@ class HiddenStatesService:
         an HTTP worker's (http_worker.py), which sends the body itself. `coding`: identity,
         zstd or bf16split (negotiate.choose_coding)."""
         t_start = time.perf_counter()
-        prep = await self.prepare(req)
+        prep = await self.prepare(req, ticket.client)
         # Counted with tokenize, for requests that pass it (a refused input runs no phase).
         # wait: body parsed and validated, the handler scheduled; long on a saturated loop.
         self.metrics.phase.labels("wait").observe(t_start - ticket.entered)
@@ -416,16 +418,3 @@ def _once(fn: Callable[[], None]) -> Callable[[], None]:
             fn()
 
     return run
-
-
-def text_bytes(req: HiddenStatesRequest) -> int:
-    """The text a request asks the server to template and tokenize, in UTF-8 bytes."""
-    if req.prompt is not None:
-        return len(req.prompt.encode("utf-8", "surrogatepass"))
-    total = len(req.chat_template or "") + (len(json.dumps(req.tools)) if req.tools else 0)
-    total += len(json.dumps(req.chat_template_kwargs)) if getattr(req, "chat_template_kwargs", None) else 0
-    for m in req.messages or ():
-        c = m.content
-        total += len(c.encode("utf-8", "surrogatepass")) if isinstance(c, str) else len(json.dumps(c)) if c else 0
-        total += len(json.dumps(m.model_extra)) if m.model_extra else 0
-    return total

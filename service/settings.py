@@ -92,14 +92,17 @@ class ServiceSettings(BaseSettings):
         False, description="Accept a chat_template in requests (off: 400; a template is code the server runs)"
     )
     max_text_bytes: int | None = Field(
-        None, ge=1, description="Most text bytes in one request (413 beyond; default 64 x the token limit, at least 4 MiB)"
+        None, ge=1, description="Most text bytes in one request, on every route that takes text (413 beyond; "
+        "default 64 x the token limit, at least 4 MiB)"
     )
     tokenize_workers: int = Field(2, ge=1, description="Processes that render chat templates and tokenize")
     template_workers: int = Field(
         1, ge=1, description="Processes that render request-supplied chat templates (with "
         "--trust-request-chat-template), apart from those of the server's own template and prompts",
     )
-    tokenize_queue: int = Field(32, ge=0, description="Requests waiting for a tokenizer process beyond the busy ones (503 beyond)")
+    tokenize_queue: int = Field(
+        32, ge=0, description="Requests waiting for a tokenizer process beyond the busy ones (503 beyond; the last "
+        "--tokenize-workers places are kept for clients with none there)")
     tokenize_timeout: float = Field(30.0, gt=0, description="Seconds one request may spend templating and tokenizing (400 beyond)")
     tokenize_memory: int = Field(
         4 * GiB, ge=256 * MiB, description="Bytes each tokenizer process may allocate beyond its loaded tokenizer (a request that needs more: 413)"

@@ -37,6 +37,9 @@ class Encoded:
     token_ids: list[int]
     loss_mask: list[int] | None
     mask_source: str  # "request", "chat_template", "none"
+    # False: tokenizing stopped once past the caller's `most` tokens; token_ids are the first
+    # most + 1 only (the caller refuses the input: it cannot fit).
+    complete: bool = True
 
 
 Span = tuple[int, int]
@@ -56,9 +59,12 @@ class Tokenizer:
         return hashlib.sha256(self.default_template.encode()).hexdigest()
 
     # ---------------------------------------------------------------------- prompts
-    def encode_prompt(self, text: str, add_special_tokens: bool, keep_first: int | None = None) -> Encoded:
+    def encode_prompt(self, text: str, add_special_tokens: bool, keep_first: int | None = None,
+                      most: int | None = None) -> Encoded:
         """`keep_first`: only the first tokens matter (right truncation): tokenize a
-        bounded prefix of the text instead of all of it (`prefix_ids`)."""
+        bounded prefix of the text instead of all of it (`prefix_ids`). `most`: see `past`."""
+        if (over := self.past(text, add_special_tokens, most)) is not None:
+            return over
         if keep_first is not None:
             ids = self.prefix_ids(text, add_special_tokens, keep_first)
             if ids is not None:
@@ -82,6 +88,16 @@ class Tokenizer:
             chars *= 2
         return None
 
+    def past(self, text: str, add_special_tokens: bool, most: int | None) -> Encoded | None:
+        """When `text` has more than `most` tokens, its first most + 1 (incomplete), found
+        from a bounded prefix: an input that cannot fit the caller's limit costs a few
+        times the limit's text to refuse, never its whole length. None when it fits (or
+        `most` is None): tokenize it whole."""
+        if most is None:
+            return None
+        ids = self.prefix_ids(text, add_special_tokens, most + 1)
+        return Encoded(ids, None, "none", complete=False) if ids is not None else None
+
     # ------------------------------------------------------------------------ chats
     def encode_chat(
         self,
@@ -90,7 +106,9 @@ class Tokenizer:
         template: str | None,
         which: str,
         template_kwargs: dict[str, Any] | None = None,
+        most: int | None = None,
     ) -> Encoded:
+        """`most`: see `past` (checked on the rendered chat, before the mask's renderings)."""
         template = self._template(template)
         messages = normalize_messages(messages, content_format(template))
         if not any(m.get("role") == "assistant" for m in messages):
@@ -100,6 +118,8 @@ class Tokenizer:
             return self._render(msgs, tools, template, gen_prompt, template_kwargs)
 
         full = render(messages, False)
+        if (over := self.past(full, False, most)) is not None:
+            return over
         spans = assistant_spans(messages, full, render)
         if which == "last":
             spans = spans[-1:]
@@ -130,13 +150,16 @@ class Tokenizer:
             raise BadInput(f"the chat template failed to render these messages: {exc}") from exc
 
     def encode_generation_prompt(self, messages: list[dict[str, Any]], tools: list[dict] | None,
-                                 template: str | None, template_kwargs: dict[str, Any] | None) -> Encoded:
+                                 template: str | None, template_kwargs: dict[str, Any] | None,
+                                 most: int | None = None) -> Encoded:
         """The prompt of POST /v1/chat/completions: the chat with the generation prompt,
         tokenized without special tokens added (the template holds them), as vLLM's
-        chat route does."""
+        chat route does. `most`: see `past`."""
         template = self._template(template)
         messages = normalize_messages(messages, content_format(template))
         text = self._render(messages, tools, template, True, template_kwargs)
+        if (over := self.past(text, False, most)) is not None:
+            return over
         return Encoded(list(self.tok(text, add_special_tokens=False)["input_ids"]), None, "none")
 
 

@@ -9,6 +9,11 @@ processes that can be:
   tokenizer takes (RLIMIT_DATA; the request that needs more gets 413);
 - refused: at most `--tokenize-workers` + `--tokenize-queue` requests are in the pool at
   once; one more gets 503 + Retry-After at once (`hsx_rejected_total{reason="tokenize"}`).
+- shared fairly: a request reaches a process only when one is free for it, the next going to
+  the client holding the fewest (tokenize_slots.py), so one client's requests never make
+  another's wait behind all of them;
+- bounded: a request that must fit a token limit (`most`) stops tokenizing once past it
+  (tokenize.Tokenizer.past), so a text far too long costs a few times the limit to refuse.
 - replaced: a worker whose input hit --tokenize-memory exits at once (the request gets
   413) and a fresh one takes its place, so the memory it took is given back now.
 `input_ids` requests never come here, so they never wait behind templating. Request-
@@ -34,6 +39,7 @@ from hsx import lifeline
 
 from hsx_service.http.errors import BadInput, Overloaded, ServiceError, TooLarge
 from hsx_service.tokenize import Encoded, Tokenizer
+from hsx_service.tokenize_slots import FairSlots, LaneFull
 
 log = logging.getLogger("hsx.tokenize")
 # The forkserver preloads this module (_context): it dies with hsx serve at once, not after
@@ -67,14 +73,14 @@ def _data_bytes() -> int:
     return 0
 
 
-def _encode(kind: str, args: tuple) -> Encoded:
+def _encode(kind: str, args: tuple, most: int | None) -> Encoded:
     assert _TOKENIZER is not None
     try:
         if kind == "prompt":
-            return _TOKENIZER.encode_prompt(*args)
+            return _TOKENIZER.encode_prompt(*args, most=most)
         if kind == "generation":
-            return _TOKENIZER.encode_generation_prompt(*args)
-        return _TOKENIZER.encode_chat(*args)
+            return _TOKENIZER.encode_generation_prompt(*args, most=most)
+        return _TOKENIZER.encode_chat(*args, most=most)
     except MemoryError:
         # Exit rather than answer: the memory the input took may stay with this process
         # (the allocator keeps it), so a fresh worker replaces it now; the pool sees the
@@ -101,12 +107,11 @@ def _context():
 
 
 class _Lane:
-    """One process pool and its bound on the requests in it."""
+    """One process pool and the places and turns of the requests in it."""
 
     def __init__(self, name: str, workers: int, queue: int, initargs: tuple) -> None:
         self.name = name
-        self.capacity = workers + queue
-        self.busy = 0  # requests in the pool (running or waiting for a worker)
+        self.slots = FairSlots(workers, workers + queue)
         self.pool = ProcessPool(max_workers=workers, initializer=_init_worker, initargs=initargs, context=_context())
 
 
@@ -123,7 +128,7 @@ class TokenizerPool:
 
     @property
     def busy(self) -> int:
-        return self._main.busy + (self._request_templates.busy if self._request_templates else 0)
+        return self._main.slots.busy + (self._request_templates.slots.busy if self._request_templates else 0)
 
     async def ready(self) -> None:
         """Wait until a worker has loaded the tokenizer (raises what its start raised)."""
@@ -131,19 +136,28 @@ class TokenizerPool:
         if self._request_templates is not None:
             await asyncio.wrap_future(self._request_templates.pool.schedule(_ping))
 
-    async def encode(self, kind: str, *args: Any) -> Encoded:
+    async def encode(self, kind: str, *args: Any, client: str = "", long: bool = False,
+                     most: int | None = None) -> Encoded:
         """kind "prompt": (text, add_special_tokens, keep_first); "chat": (messages, tools,
         template, which, template_kwargs); "generation": (messages, tools, template,
-        template_kwargs). Raises ServiceError (Overloaded when its lane is full)."""
+        template_kwargs). `client`: who sends it (a fair share of the processes); `long`: a
+        text past what the token limit could hold uncut (never on the last free process);
+        `most`: the tokens it may have (beyond, tokenizing stops: Encoded.complete is False).
+        Raises ServiceError (Overloaded when its lane has no place for it)."""
         lane = self._main
         if kind in ("chat", "generation") and args[2] is not None and self._request_templates is not None:
             lane = self._request_templates
-        if lane.busy >= lane.capacity:
-            raise Overloaded(f"{lane.busy} requests are being {lane.name} (limit {lane.capacity}); retry shortly",
-                             reason="tokenize")
-        lane.busy += 1
         try:
-            future = lane.pool.schedule(_encode, args=(kind, args), timeout=self.timeout)
+            async with lane.slots.hold(client, long):
+                return await self._run(lane, kind, args, most)
+        except LaneFull as exc:
+            raise Overloaded(f"no place for this request among those being {lane.name}: {exc}; retry shortly",
+                             reason="tokenize") from None
+
+    async def _run(self, lane: _Lane, kind: str, args: tuple, most: int | None) -> Encoded:
+        """One request on a process of `lane` (its turn has come: one is free for it)."""
+        try:
+            future = lane.pool.schedule(_encode, args=(kind, args, most), timeout=self.timeout)
             return await asyncio.wrap_future(future)  # cancelling it stops the worker
         except FutureTimeout:
             raise BadInput(f"templating and tokenizing this input took longer than the server's "
@@ -152,8 +166,6 @@ class TokenizerPool:
             if exc.exitcode == EXIT_MEMORY:
                 raise TooLarge(MEMORY_MESSAGE) from None
             raise TooLarge(f"the tokenizer process died on this input ({exc}); send a smaller input") from None
-        finally:
-            lane.busy -= 1
 
     def close(self) -> None:
         """Stop the workers now (running tasks included) and wait for them."""

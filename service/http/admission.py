@@ -23,10 +23,11 @@ DRAIN_RETRY_AFTER = 5.0
 class Ticket:
     """One request's place in the gate; `release()` gives it back, once."""
 
-    __slots__ = ("_gate", "tokens", "_open", "entered")
+    __slots__ = ("_gate", "tokens", "_open", "entered", "client")
 
-    def __init__(self, gate: "AdmissionGate") -> None:
+    def __init__(self, gate: "AdmissionGate", client: str = "") -> None:
         self._gate = gate
+        self.client = client  # who sends it (guard.py): its fair share of the tokenizer processes
         self.tokens = 0
         self._open = True
         self.entered = time.perf_counter()  # past the door, body read: the "wait" phase starts
@@ -54,8 +55,8 @@ class AdmissionGate:
         metrics.inflight.set_function(lambda: self.in_flight)
         metrics.queued_tokens.set_function(lambda: self.queued_tokens)
 
-    def enter(self) -> Ticket:
-        """At the door, before the body is read."""
+    def enter(self, client: str = "") -> Ticket:
+        """At the door, before the body is read (`client`: see Ticket)."""
         if self.draining:
             raise self._draining()
         if self.in_flight >= self.max_inflight:
@@ -63,7 +64,7 @@ class AdmissionGate:
                 f"{self.in_flight} requests in progress (limit {self.max_inflight}); retry shortly", reason="inflight"
             )
         self.in_flight += 1
-        return Ticket(self)
+        return Ticket(self, client)
 
     def _admit(self, ticket: Ticket, num_tokens: int) -> None:
         if self.draining:

@@ -4,7 +4,8 @@ Per request: the header count and size (431), a request id (echoed, or made), th
 key on every path but the public ones, and for the POST routes with a JSON body
 (`BODY_ROUTES`: /hidden_states, /tokenize) the content type, the body (read whole within
 --body-timeout, 408 beyond; at most --max-receiving being read at once) and then the
-admission gate's door: a client still sending holds no admission place. Every answer is
+admission gate's door: a client still sending holds no admission place; the ticket names the
+client (its key, else its address) for its fair share of the tokenizer processes. Every answer is
 counted in `hsx_http_responses_total{code}`. Refusals are the ServiceErrors of errors.py,
 rendered by errors.render like every other error answer.
 
@@ -16,6 +17,7 @@ else, a route added later included, needs the key.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 
 from hsx_service.http.admission import AdmissionGate
@@ -73,7 +75,7 @@ class GuardMiddleware:
                 body = await self._read_body(receive)
                 if body is None:  # the client left while sending
                     return
-                ticket = self.gate.enter()  # only requests whose body has arrived take a place
+                ticket = self.gate.enter(self._client(scope, headers))  # only requests whose body has arrived
                 receive = _replay(body, receive)
         except ServiceError as exc:
             return await render(exc, rid, self.metrics)(scope, receive, send)
@@ -95,6 +97,16 @@ class GuardMiddleware:
         token = bearer_token(headers.get("authorization"))
         if token is None or not key_matches(token.encode(), self.keys):
             raise Unauthorized("missing or invalid API key (Authorization: Bearer KEY)")
+
+    def _client(self, scope, headers: dict[str, str]) -> str:
+        """Who sends this request, for a fair share of the tokenizer processes: its API key where
+        the server has keys (checked by now; hashed, so no key is kept in the clear), else its
+        address (a client choosing names of its own could take many shares)."""
+        if self.keys:
+            token = bearer_token(headers.get("authorization")) or ""
+            return "key:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+        peer = scope.get("client")
+        return "peer:" + (peer[0] if peer else "")
 
     def _check_body(self, headers: dict[str, str]) -> None:
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()

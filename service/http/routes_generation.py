@@ -4,8 +4,9 @@ So one `hsx serve` deployment can both regenerate a chat corpus with the target
 (`hsx regenerate`) and extract its hidden states. Non-streaming, n=1. The answer carries
 the token ids as vLLM's own `return_token_ids` does (`prompt_token_ids` at the top,
 `token_ids` in the choice), so a client never re-tokenizes generated text. Same guard as
-/hidden_states: API key, body limits, the admission gate (prompt plus max_tokens count
-against --max-queued-tokens), errors as {"error": {type, message}}.
+/hidden_states: API key, body limits, --max-text-bytes, the admission gate (prompt plus
+max_tokens count against --max-queued-tokens), the tokenizer processes' fair share and
+bounded work (tokenize_pool.py), errors as {"error": {type, message}}.
 
 Reasoning: `hsx serve --reasoning-parser NAME` is vLLM's own engine flag; with it, the
 reply's text is split into `reasoning_content` and `content` by vLLM's parser of that name,
@@ -27,6 +28,7 @@ from hsx_service.engine.prefill import engine_error
 from hsx_service.http.disconnect import race_client
 from hsx_service.http.errors import BadInput, Draining, EngineFailure, NotAvailable, NotReady, StartupError
 from hsx_service.http.schema import ChatMessage, ErrorResponse, check_template_kwargs
+from hsx_service.text_bounds import check_text_bytes, is_long
 
 ROUTE = "/v1/chat/completions"
 
@@ -144,9 +146,16 @@ class Generator:
             raise BadInput(f"model {body.model!r} is not served here; this server serves {facts.served_model_name!r}")
         if len(body.messages) > st.settings.max_messages:
             raise BadInput(f"{len(body.messages)} messages; this server takes at most {st.settings.max_messages}")
+        size = check_text_bytes(body, service.max_text_bytes)  # /hidden_states' bound (text_bounds.py)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        enc = await service.tokenizer.encode("generation", messages, body.tools, None, body.chat_template_kwargs)
+        # A prompt past the context is refused once its tokenizing passes it (never tokenized whole).
+        most = facts.max_model_len - 1
+        enc = await service.tokenizer.encode("generation", messages, body.tools, None, body.chat_template_kwargs,
+                                             client=ticket.client, long=is_long(size, most), most=most)
         prompt = enc.token_ids
+        if not enc.complete:
+            raise BadInput(f"the prompt has more than {most} tokens, leaving no room to generate within "
+                           f"max_model_len {facts.max_model_len}")
         if not prompt:
             raise BadInput("the chat renders to zero tokens")
         params = sampling_params(body, len(prompt), facts.max_model_len)

@@ -73,4 +73,4 @@ async def final_norm(request: Request):
     responses={**ERRORS, **BAD_INPUT},
 )
 async def tokenize(body: HiddenStatesRequest, request: Request):
-    return await serving(request).service.tokenize(body, request.state.request_id)
+    return await serving(request).service.tokenize(body, request.state.request_id, request.state.ticket.client)

@@ -5,10 +5,12 @@ speculators 0.9's `regenerate-responses` CLI whose output `hsx extract` turns in
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -19,6 +21,7 @@ from hsx.wire import decode
 pytestmark = pytest.mark.engine
 
 CHAT = [{"role": "user", "content": "Tell me a story about a dog."}]
+SMALL_CHAT = [{"role": "system", "content": "You are a helpful assistant."}, *CHAT]
 
 
 def complete(server, **body):
@@ -194,3 +197,64 @@ def test_speculators_regenerate_responses_then_hsx_extract(stories_server, tmp_p
     from hsx_client.corpus.inputs import read_samples
 
     check_speculators_corpus(corpus, {s.key: s.request for s in read_samples([str(out)])}, 512, "left")
+
+
+# ----------------------------------------------------------------------------- a flood of big texts
+FLOOD = 12  # concurrent senders, each again as soon as answered
+FLOOD_MB = 3.5  # text per request: ~7,000x the 511 tokens stories260K takes
+OTHER_BOUND_S = 5.0  # generous for a loaded 2-core box (the stall before the fix was longer)
+
+
+async def test_one_client_s_big_texts_never_stall_another_s_small_requests(stories_server):
+    """Issue 36.1: 24 chats of 3.9 MB to /v1/chat/completions took both tokenizer processes for
+    up to 57 s each (each tokenized whole before its refusal) and another client's small chat
+    waited 55 s. Half the flood here goes to /hidden_states as a chat with a reply to supervise,
+    which stalled the same way. Now tokenizing stops past the limit, a long text never takes the
+    last tokenizer process and the next free one goes to the client holding fewest: the other
+    client (another peer address) keeps answering."""
+    url = stories_server.url
+    text = ("Once upon a time there was a little dog who liked to run in the park. " * 50_000)[:int(FLOOD_MB * 1e6)]
+    gen_body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
+    states_body = json.dumps({"messages": [{"role": "user", "content": text},
+                                           {"role": "assistant", "content": "The end."}]}).encode()
+    done = asyncio.Event()
+    answers: list[tuple[str, int, str]] = []
+
+    async def flood(client: httpx.AsyncClient, route: str, body: bytes) -> None:
+        while not done.is_set():
+            r = await client.post(url + route, content=body, headers={"content-type": "application/json"})
+            answers.append((route, r.status_code, r.text[:300]))
+
+    async def other() -> list[float]:
+        took = []
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address="127.0.0.2"),
+                                     timeout=60) as c:
+            for _ in range(8):
+                t0 = time.perf_counter()
+                r = await c.post(url + "/v1/chat/completions", json={"messages": SMALL_CHAT, "max_tokens": 2})
+                took.append(time.perf_counter() - t0)
+                assert r.status_code == 200, r.text
+                if took[-1] > OTHER_BOUND_S:
+                    break  # stalled: no need to wait for more
+                await asyncio.sleep(0.1)
+        return took
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=FLOOD)) as c:
+        senders = [asyncio.ensure_future(flood(c, *(("/v1/chat/completions", gen_body) if i % 2 else
+                                                    ("/hidden_states", states_body))))
+                   for i in range(FLOOD)]
+        await asyncio.sleep(1.0)  # the flood's bodies are in
+        try:
+            took = await asyncio.wait_for(other(), 30)
+        finally:
+            done.set()  # each sender stops after its answer; one still waiting then is cut
+            await asyncio.wait(senders, timeout=20)
+            for s in senders:
+                s.cancel()
+            await asyncio.gather(*senders, return_exceptions=True)
+    assert max(took) < OTHER_BOUND_S, f"the other client waited {max(took):.1f} s behind the flood"
+    assert answers and all(
+        (code, "more than 511 tokens" in msg) == ((400, True) if route.startswith("/v1") else (413, True))
+        for route, code, msg in answers), answers[:4]
+    print(f"\n{FLOOD} senders of {FLOOD_MB} MB chats, {len(answers)} refused; the other client's small chats: "
+          f"max {max(took):.2f} s of {len(took)}")

@@ -89,6 +89,46 @@ def test_right_truncation_of_a_prompt_keeps_exactly_the_full_tokenization_s_firs
             assert got == full[:keep], (text[:40], keep)
 
 
+class _Counting:
+    """The Tokenizer's tokenizer, recording the characters of each text it is given."""
+
+    def __init__(self, tok):
+        self.tok, self.sizes = tok, []
+
+    def __call__(self, text, **kw):
+        self.sizes.append(len(text))
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_a_text_past_the_limit_is_refused_from_a_bounded_prefix(tok, monkeypatch):
+    """Issue 36.1: a 3.9 MB chat to /v1/chat/completions (or to /hidden_states without
+    truncation) was tokenized whole, seconds of a tokenizer process each, before its refusal;
+    now tokenizing stops past the limit, on every kind of input."""
+    template = (TEMPLATES / "llama3.jinja").read_text()
+    story = " ".join(m["content"] for messages, _ in _oasst()[:60] for m in messages)
+    big = (story * (3_900_000 // len(story) + 1))[:3_900_000]
+    counting = _Counting(tok.tok)
+    monkeypatch.setattr(tok, "tok", counting)
+    most = 511
+    over = [tok.encode_generation_prompt([{"role": "user", "content": big}], None, template, None, most=most),
+            tok.encode_chat([{"role": "user", "content": big}, {"role": "assistant", "content": "The end."}],
+                            None, template, "all", most=most),
+            tok.encode_prompt(big, True, None, most=most)]
+    assert max(counting.sizes) <= 64 * most  # never the whole text
+    for enc in over:
+        assert not enc.complete and len(enc.token_ids) == most + 1
+    full = counting.tok(big[:200_000], add_special_tokens=True)["input_ids"]
+    assert over[2].token_ids == full[:most + 1]  # the first tokens of the full tokenization
+    small = [{"role": "user", "content": "Tell me a story."}]
+    fits = tok.encode_generation_prompt(small, None, template, None, most=most)
+    assert fits.complete and fits.token_ids == tok.encode_generation_prompt(small, None, template, None).token_ids
+    exact = tok.encode_prompt(story[:20_000], True, None, most=len(tok.encode_prompt(story[:20_000], True).token_ids))
+    assert exact.complete  # exactly at the limit fits
+
+
 # --------------------------------------------------------------------------- the guard
 
 async def _asgi(app, scope_extra: dict, chunks: list[bytes | None]):
