@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # shellcheck disable=SC1091
-. .venv/bin/activate
+. "${HSX_VENV:-.venv}/bin/activate"
 exec hsx demo "$@"
