@@ -46,6 +46,22 @@ def store_files(out_dir: Path, files: dict[str, bytes]) -> None:
     store.write_files_atomic(out_dir, files)
 
 
+def write_samples(fmt, out_dir: Path, ctx, decoded: dict, *, order=None, tokens_only: bool = False) -> list:
+    """Encode and store each decoded sample (in `order`, default the dict's) as the run loop
+    does, then finalize the corpus; returns the (index, record) pairs. `tokens_only`: what a
+    /tokenize answer decodes to (no states)."""
+    records = []
+    for i in order if order is not None else list(decoded):
+        d = decoded[i]
+        if tokens_only:
+            d = type(d)(hidden_states=None, token_ids=d.token_ids, loss_mask=d.loss_mask, metadata=d.metadata)
+        so = fmt.encode_sample(i, d, ctx)
+        store_files(out_dir, so.files)
+        records.append((i, so.record))
+    fmt.finalize(out_dir, records, ctx)
+    return records
+
+
 def specforge_batches(path: Path, max_len: int, run_id: str = "t") -> list[tuple[str, dict]]:
     """SpecForge 0.2's eagle3 offline reader, LocalFeatureStore, normalizer and collator
     over a corpus: [(sample file path, batch tensors)], one sample a batch."""

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, make_decoded, store_files
+from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, make_decoded, write_samples
 from _server import REPO
 from hsx_client.corpus.formats import CorpusContext, get_format
 from hsx_client.postnorm import FinalNorm, apply_final_norm
@@ -37,14 +37,7 @@ def write_corpus(out: Path, name: str, tokens_only: bool = False, **options: str
                         draft_vocab_size=32, vocab_size=VOCAB, mask_policy="per_turn")
     fmt = get_format(name, **options)
     decoded = {i: make_decoded(1000 + i, t) for i, t in enumerate(LENGTHS)}
-    records = []
-    for i, d in decoded.items():
-        if tokens_only:  # what a /tokenize answer decodes to
-            d = type(d)(hidden_states=None, token_ids=d.token_ids, loss_mask=d.loss_mask, metadata=d.metadata)
-        so = fmt.encode_sample(i, d, ctx)
-        store_files(out, so.files)
-        records.append((i, so.record))
-    fmt.finalize(out, records, ctx)
+    write_samples(fmt, out, ctx, decoded, tokens_only=tokens_only)
     return decoded, ctx
 
 

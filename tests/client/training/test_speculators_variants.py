@@ -15,7 +15,7 @@ import torch
 
 from hsx_client.corpus.formats import CorpusContext, CorpusFormatError, get_format
 
-from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, make_decoded, store_files
+from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, make_decoded, write_samples
 
 pytest.importorskip("speculators", reason="speculators 0.9 is not installed (scripts/install.sh --test)")
 pytest.importorskip("hs_connectors", reason="hs-connectors 0.9 is not installed (scripts/install.sh --test)")
@@ -31,16 +31,7 @@ def _ctx(dtype="bfloat16"):
 def _write(fmt, out: Path, ctx, decoded: dict, *, tokens_only=False):
     order = list(decoded)
     random.Random(0).shuffle(order)
-    records = []
-    for i in order:
-        d = decoded[i]
-        if tokens_only:  # what a /tokenize answer decodes to
-            d = type(d)(hidden_states=None, token_ids=d.token_ids, loss_mask=d.loss_mask, metadata=d.metadata)
-        so = fmt.encode_sample(i, d, ctx)
-        store_files(out, so.files)
-        records.append((i, so.record))
-    fmt.finalize(out, records, ctx)
-    return records
+    return write_samples(fmt, out, ctx, decoded, order=order, tokens_only=tokens_only)
 
 
 # ------------------------------------------------------------------ fp8
