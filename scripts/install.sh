@@ -15,8 +15,10 @@ venv=${HSX_VENV:-.venv}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 stamp="$venv/.hsx-install"
 want="$with_tests $(cat pyproject.toml "$0" | sha256sum) $(python -V)"
+here=$(python -c "import pathlib, hsx_service; print(pathlib.Path(hsx_service.__file__).parent.parent)" 2>/dev/null || true)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
-  pip install -q --no-deps -e .  # the same packages: point the editable install at this checkout
+  # The same packages: point the editable install at this checkout, unless it already does.
+  [ "$here" = "$PWD" ] || pip install -q --no-deps -e .
 else
   rm -f "$stamp"
   pip install -q --upgrade pip
