@@ -108,7 +108,7 @@ class FormatDefaults:
 class StreamedSample:
     """A sample's file front to back (store_stream calls begin, chunk per states chunk, end):
     the plain layout of a format's stream_file / stream_chunk / stream_tail. A format whose
-    file needs state across chunks (SpecForge's zip: its CRCs) returns its own."""
+    file needs state across chunks (SpecForge's zip: its CRCs; fp8's scales) returns its own."""
 
     def __init__(self, fmt: Any, index: int, layout: Any, ctx: CorpusContext) -> None:
         self.fmt, self.layout, self.ctx = fmt, layout, ctx

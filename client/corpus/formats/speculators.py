@@ -41,10 +41,10 @@ def sample_file_parts(ctx: CorpusContext, tensors: list[tuple[str, str, torch.Te
     # over its life (finalize's compaction renames it; `hsx merge` hard-links it into the
     # merged corpus under another index while the shard keeps it under its own), so an
     # index stored inside could not be true under both. Files written before carry one.
-    return [wire.encode_header(specs, _file_meta(ctx)), *bufs]
+    return [wire.encode_header(specs, sample_file_meta(ctx)), *bufs]
 
 
-def _file_meta(ctx: CorpusContext) -> dict[str, str]:
+def sample_file_meta(ctx: CorpusContext) -> dict[str, str]:
     return {"format": "hsx-speculators/1", "layer_ids": json.dumps(list(ctx.layer_ids))}
 
 
@@ -93,7 +93,7 @@ class SpeculatorsFormat(Eagle3Format):
         t = layout.shape[0]
         specs = [wire.TensorSpec("hidden_states", dtypes.st_code(layout.dtype), tuple(layout.shape)),
                  wire.TensorSpec("token_ids", "I64", (t,))]
-        return self.hs_path(index), wire.encode_header(specs, _file_meta(ctx))
+        return self.hs_path(index), wire.encode_header(specs, sample_file_meta(ctx))
 
     def stream_tail(self, head, ctx: CorpusContext) -> tuple[list, dict]:
         """(the file's last bytes, the sample's record) once the head is known."""

@@ -19,11 +19,19 @@
     scale = max(amax / 448, 1e-12), stored = (states as float32 / scale) cast to e4m3fn;
     the reader restores `stored.to(bf16) * scale.to(bf16)`. Train with
     `--hidden-states-backend fp8`. A sample whose states are not finite is refused.
+
+    Written as the states arrive (issue 36), like the plain corpus: a token's scale is its
+    own states' amax, so each chunk is quantized alone to the bits the whole sample's
+    quantization gives (no max over the sample is needed before the first byte: no second
+    pass, no spilled temporary file). The file's order is the reader's (states, scales, ids),
+    so the scales (4 bytes a token, beside the states' 4 x hidden) wait in memory with the
+    token ids until the states are through.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +40,10 @@ import torch
 from hsx import wire
 
 from hsx_client.corpus.formats.common import (
-    CorpusContext, CorpusFormatError, SampleOutput, check_decoded, check_tokens, make_record, record_problems,
+    CorpusContext, CorpusFormatError, SampleOutput, check_decoded, check_layout, check_tokens, make_record,
+    record_problems,
 )
-from hsx_client.corpus.formats.speculators import SpeculatorsFormat, sample_file_parts
+from hsx_client.corpus.formats.speculators import SpeculatorsFormat, sample_file_meta, sample_file_parts
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -43,11 +52,25 @@ SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY
 
 def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, L, H] -> (float8_e4m3fn [T, L, H], float32 scales [T, 1, 1]), the same bits as
-    hs_connectors.fp8_utils.quantize_tensor_to_fp8 (tests/client/training/test_speculators_variants.py)."""
-    fp32 = states.float()
-    amax = fp32.abs().amax(dim=tuple(range(1, fp32.dim())), keepdim=True)
+    hs_connectors.fp8_utils.quantize_tensor_to_fp8 (tests/client/training/test_speculators_variants.py).
+    Each token's scale is its own: quantizing any run of tokens alone gives the same bits.
+    Non-finite states: CorpusFormatError (a NaN or infinity carries into its token's amax)."""
+    fp32 = states.to(torch.float32, copy=True)  # a copy: divided in place, the input never written
+    # amax(|x|) as max(max x, -min x): the same value, without a second float32 copy for abs
+    lo, hi = torch.aminmax(fp32.view(fp32.shape[0], -1), dim=1)
+    amax = torch.maximum(hi, lo.neg_()).view(-1, *([1] * (fp32.dim() - 1)))
+    if not bool(torch.isfinite(amax).all()):
+        raise CorpusFormatError("states hold NaN or infinity: fp8 scales cannot be computed")
     scale = (amax / FP8_MAX).clamp(min=1e-12)
-    return (fp32 / scale).to(FP8_DTYPE), scale
+    return fp32.div_(scale).to(FP8_DTYPE), scale
+
+
+# Bytes of float32 copy quantized at once: a few MiB (smaller slices cost more in torch's
+# per-call work, its threads' start and join, than they save: 1 MiB ones ran several times
+# slower on a busy 2-core box), so a default chunk (sample_stream.DEFAULT_CHUNK_BYTES of
+# bf16) takes two, and a whole sample handed over as one chunk (a lease view) is never
+# copied whole.
+QUANT_SLICE_BYTES = 4 << 20
 
 
 class SpeculatorsTokensFormat(SpeculatorsFormat):
@@ -106,7 +129,7 @@ class TokensResponse:
 class SpeculatorsFp8Format(SpeculatorsFormat):
     """speculators' corpus with fp8 states (`--dtype fp8`); see the module doc."""
 
-    streams = False  # its states are quantized from the decoded sample: today's whole path
+    streams = True  # each chunk quantized as it arrives (_StreamedFp8)
 
     format_facts = {"stored_dtype": "float8_e4m3fn", "scales": "per token, hs_connectors fp8",
                     "train_with": "--hidden-states-backend fp8"}
@@ -114,20 +137,71 @@ class SpeculatorsFp8Format(SpeculatorsFormat):
     def bytes_per_token(self, ctx: CorpusContext) -> float:
         return len(ctx.layer_ids) * ctx.hidden_size + 4 + 8 + 16
 
+    @staticmethod
+    def file_specs(t: int, n_layers: int, hidden: int) -> list[wire.TensorSpec]:
+        """The sample file's tensors in file order (both paths lay it out from these)."""
+        return [wire.TensorSpec("hidden_states", "F8_E4M3", (t, n_layers, hidden)),
+                wire.TensorSpec(SCALES_KEY, "F32", (t, 1, 1)), wire.TensorSpec("token_ids", "I64", (t,))]
+
     def encode_sample(self, index: int, decoded: wire.Decoded, ctx: CorpusContext) -> SampleOutput:
         hs, ids, mask, source = check_decoded(decoded, ctx)
-        if not bool(torch.isfinite(hs).all()):
-            raise CorpusFormatError("states hold NaN or infinity: fp8 scales cannot be computed")
         q, scale = quantize_fp8(hs)
         ids = np.ascontiguousarray(ids, dtype="<i8")
         parts = sample_file_parts(ctx, [("hidden_states", "F8_E4M3", q), (SCALES_KEY, "F32", scale),
                                                 ("token_ids", "I64", ids)])
         return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx))
 
+    def stream_open(self, index: int, layout, ctx: CorpusContext) -> _StreamedFp8:
+        return _StreamedFp8(self, index, layout, ctx)
+
     def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]:
         t, n_layers, h = record.get("num_tokens"), record.get("num_layers", 4), record.get("hidden_size")
         return verify_layout(out_dir, self.hs_path(index), record, {
             "hidden_states": ([t, n_layers, h], "F8_E4M3"), SCALES_KEY: ([t, 1, 1], "F32"), "token_ids": ([t], "I64")})
+
+
+class _StreamedFp8:
+    """One fp8 sample file front to back (stream_write: begin, chunk..., end), the bytes of
+    encode_sample's: the header (from the layout), each chunk's tokens quantized as they come
+    (QUANT_SLICE_BYTES of float32 at a time), then the scales and the token ids."""
+
+    def __init__(self, fmt: SpeculatorsFp8Format, index: int, layout, ctx: CorpusContext) -> None:
+        check_layout(layout, ctx)
+        self.layout, self.ctx = layout, ctx
+        self.tokens, n_layers, hidden = layout.shape
+        self.rel = fmt.hs_path(index)
+        self._first = wire.encode_header(fmt.file_specs(self.tokens, n_layers, hidden), sample_file_meta(ctx))
+        self._scales = np.empty(self.tokens, dtype="<f4")  # the file's second tensor: written last but one
+        self._done = 0  # tokens written
+        self._slice = max(1, QUANT_SLICE_BYTES // (n_layers * hidden * 4))
+        self._write = None
+
+    def begin(self, write) -> None:
+        self._write = write
+        write(self._first)
+
+    def chunk(self, data) -> None:
+        _, n_layers, hidden = self.layout.shape
+        with warnings.catch_warnings():  # a lease's shared memory is read-only: only read here
+            warnings.simplefilter("ignore", UserWarning)
+            rows = torch.frombuffer(data, dtype=self.layout.dtype).view(-1, n_layers, hidden)
+        for start in range(0, rows.shape[0], self._slice):
+            q, scale = quantize_fp8(rows[start:start + self._slice])
+            self._write(q.view(torch.uint8).reshape(-1).numpy().data)
+            self._scales[self._done:self._done + q.shape[0]] = scale.reshape(-1).numpy()
+            self._done += q.shape[0]
+
+    def end(self, head) -> dict:
+        ids, mask, source = check_tokens(head, self.ctx, self.tokens)
+        if self._done != self.tokens:  # store_stream checks the count too; the file must not lie
+            raise CorpusFormatError(f"{self._done} of {self.tokens} tokens quantized")
+        ids = np.ascontiguousarray(ids, dtype="<i8")
+        self._write(self._scales.data)
+        self._write(ids.data)
+        return make_record(ids, mask, source, self.ctx)
+
+    def abort(self) -> None:
+        """The sample is given up (store_stream removes its file): nothing to undo here."""
 
 
 def verify_layout(out_dir: Path, rel: str, record: dict, want: dict[str, tuple[list, str]]) -> list[str]:
