@@ -37,18 +37,20 @@ BUDGET = 16 << 20
 SAMPLE_BYTES = TOKENS * LAYERS * HIDDEN * 4  # 128 MiB
 
 # The client under test: `hsx extract` in a process that reports its RSS (VmHWM: the peak)
-# over the RSS after its imports. HSX_TEST_WHOLE=1 takes today's whole-sample path.
+# over the RSS after its imports. HSX_TEST_WHOLE=1 takes the whole-sample path (the fp8 variant's
+# before issue 36.8).
 RUNNER = r"""
 import json, os, sys
 import datasets, torch, speculators  # what the run imports anyway: not the run's growth
 from hsx_client.corpus.cli import extract_main
 from hsx_client.corpus.formats.speculators import SpeculatorsFormat
+from hsx_client.corpus.formats.speculators_variants import SpeculatorsFp8Format
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 if os.environ.get("HSX_TEST_WHOLE") == "1":
-    SpeculatorsFormat.streams = False
+    SpeculatorsFormat.streams = SpeculatorsFp8Format.streams = False
 base = status("VmRSS:")
 rc = extract_main(sys.argv[1:])
 with open(os.environ["HSX_TEST_RSS"], "w") as f:
@@ -199,3 +201,37 @@ def test_specforge_samples_stream_into_their_ckpt_files(big_server, long_inputs,
     assert b["input_ids"][0].tolist() == request["input_ids"]
     torch.testing.assert_close(b["hidden_state"][0], want[:, :3].reshape(TOKENS, 3 * HIDDEN), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(b["target"][0], apply_final_norm(want[:, 3], norm), rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_samples_stream_within_the_budget(big_server, long_inputs, tmp_path):
+    """Issue 36.8: `--dtype fp8` samples are quantized chunk by chunk as they arrive (per-token
+    scales), not held whole: the client grows by a few budgets, the whole path it replaces by
+    several samples; the file holds the states to fp8's precision."""
+    one = tmp_path / "one.jsonl"
+    one.write_text(long_inputs.read_text().splitlines()[0] + "\n")
+    out = tmp_path / "corpus"
+    rss = run_client(argv(big_server, out, one, "--dtype", "fp8"), tmp_path / "rss.json")
+    whole = run_client(argv(big_server, tmp_path / "whole", one, "--dtype", "fp8"), tmp_path / "rss-whole.json",
+                       whole=True)
+    growth, whole_growth = rss["peak"] - rss["base"], whole["peak"] - whole["base"]
+    print(f"client peak RSS growth, fp8: streamed {growth / 2**20:.0f} MiB (budget {BUDGET >> 20} MiB), "
+          f"whole {whole_growth / 2**20:.0f} MiB; one sample {SAMPLE_BYTES >> 20} MiB")
+    assert growth < 3 * BUDGET, growth
+    assert whole_growth > SAMPLE_BYTES  # the comparison holds whole samples (what this test guards)
+
+    assert_each_index_once(out, 1)
+    assert_verify_ok(out)
+    from safetensors.torch import load_file
+
+    f = load_file(str(out / "hidden_states/hs_0.safetensors"))
+    assert f["hidden_states"].dtype == torch.float8_e4m3fn and f["hidden_states"].shape == (TOKENS, LAYERS, HIDDEN)
+    assert f["hidden_states_scales"].shape == (TOKENS, 1, 1)
+    request = json.loads(one.read_text())
+    assert f["token_ids"].tolist() == request["input_ids"]
+    want = whole_states(big_server, request)  # another prefill: float noise apart, far below fp8's step
+    got = f["hidden_states"].float() * f["hidden_states_scales"]
+    err = ((got - want).norm(dim=(1, 2)) / want.norm(dim=(1, 2))).max().item()
+    assert err < 0.05, f"worst token's relative error {err}"
+    w = load_file(str(tmp_path / "whole" / "hidden_states/hs_0.safetensors"))
+    assert torch.equal(w["token_ids"], f["token_ids"]) and torch.allclose(w["hidden_states_scales"],
+                                                                        f["hidden_states_scales"], rtol=1e-4)

@@ -314,7 +314,7 @@ class OutlastsItsLease(formats.SpeculatorsFormat):
 
     def __init__(self, server, slow, streams=True):
         self.server, self.slow, self.seen = server, slow, {}
-        self.streams = streams  # False: the whole-sample store (in a pool thread), as the fp8 variant takes
+        self.streams = streams  # False: the whole-sample store (in a pool thread)
         self.expired_at_start, self.slow_stores = _expired(server), 0
 
     def _store(self, index):
