@@ -56,13 +56,22 @@ def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Each token's scale is its own: quantizing any run of tokens alone gives the same bits.
     Non-finite states: CorpusFormatError (a NaN or infinity carries into its token's amax)."""
     fp32 = states.to(torch.float32, copy=True)  # a copy: divided in place, the input never written
+    q = torch.empty(fp32.shape, dtype=FP8_DTYPE)
+    return q, quantize_into(fp32, q)
+
+
+def quantize_into(fp32: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Quantizes the float32 states `fp32` [n, ...] into `out` (float8_e4m3fn, same shape),
+    dividing `fp32` in place; returns the scales [n, 1, ...]. quantize_fp8's one step, which
+    the streamed writer runs over buffers of its own."""
     # amax(|x|) as max(max x, -min x): the same value, without a second float32 copy for abs
     lo, hi = torch.aminmax(fp32.view(fp32.shape[0], -1), dim=1)
     amax = torch.maximum(hi, lo.neg_()).view(-1, *([1] * (fp32.dim() - 1)))
     if not bool(torch.isfinite(amax).all()):
         raise CorpusFormatError("states hold NaN or infinity: fp8 scales cannot be computed")
     scale = (amax / FP8_MAX).clamp(min=1e-12)
-    return fp32.div_(scale).to(FP8_DTYPE), scale
+    out.copy_(fp32.div_(scale))  # the cast of `.to(float8_e4m3fn)`
+    return scale
 
 
 # Bytes of float32 copy quantized at once: a few MiB (smaller slices cost more in torch's
@@ -163,7 +172,8 @@ class SpeculatorsFp8Format(SpeculatorsFormat):
 class _StreamedFp8:
     """One fp8 sample file front to back (stream_write: begin, chunk..., end), the bytes of
     encode_sample's: the header (from the layout), each chunk's tokens quantized as they come
-    (QUANT_SLICE_BYTES of float32 at a time), then the scales and the token ids."""
+    (QUANT_SLICE_BYTES of float32 at a time, in two buffers the writer keeps: no allocation
+    per chunk), then the scales and the token ids."""
 
     def __init__(self, fmt: SpeculatorsFp8Format, index: int, layout, ctx: CorpusContext) -> None:
         check_layout(layout, ctx)
@@ -173,7 +183,9 @@ class _StreamedFp8:
         self._first = wire.encode_header(fmt.file_specs(self.tokens, n_layers, hidden), sample_file_meta(ctx))
         self._scales = np.empty(self.tokens, dtype="<f4")  # the file's second tensor: written last but one
         self._done = 0  # tokens written
-        self._slice = max(1, QUANT_SLICE_BYTES // (n_layers * hidden * 4))
+        self._slice = min(self.tokens, max(1, QUANT_SLICE_BYTES // (n_layers * hidden * 4)))
+        self._fp32: torch.Tensor | None = None
+        self._fp8: torch.Tensor | None = None
         self._write = None
 
     def begin(self, write) -> None:
@@ -182,14 +194,21 @@ class _StreamedFp8:
 
     def chunk(self, data) -> None:
         _, n_layers, hidden = self.layout.shape
+        if self._fp32 is None:
+            self._fp32 = torch.empty(self._slice, n_layers, hidden, dtype=torch.float32)
+            self._fp8 = torch.empty(self._slice, n_layers, hidden, dtype=FP8_DTYPE)
         with warnings.catch_warnings():  # a lease's shared memory is read-only: only read here
             warnings.simplefilter("ignore", UserWarning)
             rows = torch.frombuffer(data, dtype=self.layout.dtype).view(-1, n_layers, hidden)
         for start in range(0, rows.shape[0], self._slice):
-            q, scale = quantize_fp8(rows[start:start + self._slice])
-            self._write(q.view(torch.uint8).reshape(-1).numpy().data)
-            self._scales[self._done:self._done + q.shape[0]] = scale.reshape(-1).numpy()
-            self._done += q.shape[0]
+            part = rows[start:start + self._slice]
+            n = part.shape[0]
+            fp32, q = self._fp32[:n], self._fp8[:n]
+            fp32.copy_(part)  # exact, as quantize_fp8's `.to(float32)`
+            scale = quantize_into(fp32, q)
+            self._write(q.view(torch.uint8).reshape(-1).numpy().data)  # written before q is reused
+            self._scales[self._done:self._done + n] = scale.reshape(-1).numpy()
+            self._done += n
 
     def end(self, head) -> dict:
         ids, mask, source = check_tokens(head, self.ctx, self.tokens)
@@ -198,10 +217,12 @@ class _StreamedFp8:
         ids = np.ascontiguousarray(ids, dtype="<i8")
         self._write(self._scales.data)
         self._write(ids.data)
+        self._fp32 = self._fp8 = None
         return make_record(ids, mask, source, self.ctx)
 
     def abort(self) -> None:
-        """The sample is given up (store_stream removes its file): nothing to undo here."""
+        """The sample is given up (store_stream removes its file): its buffers go."""
+        self._fp32 = self._fp8 = None
 
 
 def verify_layout(out_dir: Path, rel: str, record: dict, want: dict[str, tuple[list, str]]) -> list[str]:
