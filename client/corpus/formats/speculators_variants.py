@@ -148,7 +148,8 @@ class SpeculatorsFp8Format(SpeculatorsFormat):
 
     @staticmethod
     def file_specs(t: int, n_layers: int, hidden: int) -> list[wire.TensorSpec]:
-        """The sample file's tensors in file order (both paths lay it out from these)."""
+        """The sample file's tensors in file order: the streamed header (encode_sample's comes
+        from its tensors, the same; the byte-equality tests hold them together)."""
         return [wire.TensorSpec("hidden_states", "F8_E4M3", (t, n_layers, hidden)),
                 wire.TensorSpec(SCALES_KEY, "F32", (t, 1, 1)), wire.TensorSpec("token_ids", "I64", (t,))]
 
