@@ -56,6 +56,49 @@ async def test_leases_release_once_and_expire():
     assert leases.release(b) is False and len(leases) == 0
 
 
+async def test_lease_streams_admitted_together_never_pass_the_half_arena_cap():
+    """Issue 36 item 4: a lease stream's window was checked against the half-arena cap when
+    admitted, but counted only as its chunk leases were granted, later; streams admitted
+    together overshot the cap by a window (2,162,688 of 2,097,152 bytes seen). Now the window
+    counts from its admission (serving's `_admit_client_lease`) until it is freed."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from hsx_service.engine.chunks import ChunkPlan
+    from hsx_service.engine.window import ChunkLease, StreamWindow
+    from hsx_service.serving import HiddenStatesService
+
+    window_bytes, arena_bytes = 64 << 10, 4 << 20
+    allocator = Allocator(arena_bytes)
+    leases = Leases(timeout=600, per_session=1000, arena_bytes=arena_bytes)
+    svc = SimpleNamespace(leases=leases, metrics=mock.MagicMock())
+    credits = SimpleNamespace(credit=lambda key, slot: None, cancel=lambda key: None)
+    admitted, peak = [], 0
+    for i in range(64):  # each finishes its prefill and is admitted before any chunk lease is granted
+        res = allocator.reserve(window_bytes)
+        half = window_bytes // 2
+        w = StreamWindow(res, ChunkPlan(8, (res.extent.offset, res.extent.offset + half), half // 8), 64,
+                         credits, end_timeout=5)
+        w.key = f"k{i}"
+        if HiddenStatesService._admit_client_lease(svc, w, "s"):
+            admitted.append(w)
+        else:  # answered with an HTTP body instead (not modelled): its window goes
+            w.close()
+            w.on_notice({"key": w.key, "ok": True, "end": True})
+        peak = max(peak, leases.client_bytes)
+    for w in admitted:  # then their first chunks land and are leased
+        for slot in (0, 1):
+            w.on_notice({"key": w.key, "ok": True, "chunk": slot, "slot": slot})
+            leases.grant(ChunkLease(w, await w.next_chunk()), "s", counted=False)
+            peak = max(peak, leases.client_bytes)
+    assert peak <= arena_bytes // 2 and len(admitted) == arena_bytes // 2 // window_bytes
+    for w in admitted:  # the streams end: their windows and their share of the cap come back
+        w.close()
+        w.on_notice({"key": w.key, "ok": False, "error": "cancelled", "end": True})
+    leases.end_all()
+    assert leases.client_bytes == 0 and allocator.used == 0
+
+
 @pytest.fixture
 def arena(tmp_path):
     a = SharedArena.create(str(tmp_path), 1 << 20)
