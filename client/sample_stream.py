@@ -301,6 +301,7 @@ class WholeSampleStream:
         self.lease = raw.lease
         self.request_id = raw.request_id
         self.wire_bytes = raw.wire_bytes
+        self.taken_bytes = 0  # the states taken out of a lease (in this process's memory)
 
     def _decode(self) -> wire.Decoded:
         if self._decoded is None:
@@ -322,6 +323,7 @@ class WholeSampleStream:
             self.lease = None  # released by take_out, whatever it answers
             self._raw = await self._client.take_out(self._raw)
             self._decoded = None
+            self.taken_bytes = len(self._raw.states or b"")
 
     async def release(self) -> None:
         lease, self.lease = self.lease, None

@@ -309,11 +309,16 @@ class RunLoop:
             if st.stopping:
                 return
             raise
+        held = self.reserve
         try:
             stream = await self._fetch(index, stream=True)
             self._phase[task] = "idle"
             if stream is None:
                 return
+            # a whole lease's states, taken out: in memory beyond the stream's chunk buffer
+            extra = max(0, getattr(stream, "taken_bytes", 0) - self.chunk_bytes)
+            self.budget.take(extra)
+            held += extra
             self._phase[task] = "store"
             try:
                 await self._store_stream(index, stream)
@@ -321,7 +326,7 @@ class RunLoop:
                 st.life_s += time.perf_counter() - t_taken
         finally:
             self._phase[task] = "idle"
-            await self.budget.release(self.reserve)
+            await self.budget.release(held)
 
     async def _store_stream(self, index: int, stream: Any) -> None:
         from hsx_client.corpus.formats.common import CorpusFormatError

@@ -407,8 +407,8 @@ def _lease_stream_reply(window, leases, session="s"):
 
     from hsx_service.serving import HiddenStatesService
 
-    svc = SimpleNamespace(leases=leases, metrics=mock.MagicMock(), settings=SimpleNamespace(lease_timeout=leases.timeout),
-                          prefill=SimpleNamespace(arena=SimpleNamespace(arena_id="a")), _record=lambda *a, **k: None)
+    svc = SimpleNamespace(leases=leases, metrics=mock.MagicMock(),
+                          settings=SimpleNamespace(lease_timeout=leases.timeout), prefill=SimpleNamespace(arena=SimpleNamespace(arena_id="a")), _record=lambda *a, **k: None)
     states = TensorSpec("hidden_states", "F32", (window.num_tokens, L, H))
     return HiddenStatesService._reply_lease_stream(svc, window, [TensorSpec("token_ids", "I64", (window.num_tokens,))],
                                                    [np.zeros(window.num_tokens, np.int64).tobytes()], {}, {}, states,
