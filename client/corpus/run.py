@@ -22,9 +22,9 @@ response are permanent (`bad_request`, `too_large`, `encode`). A sample with no 
 token after truncation is *dropped*, not failed (kind `dropped`): every request carries
 `require_supervised`, so the server refuses it (422 no_supervised_tokens) before the
 prefill; a response whose mask is all zero anyway is dropped here too. A sample on which every
-attempt got a 5xx is `server_error` and retried by the next run. If the servers are unreachable beyond the retries,
-authentication fails, many samples in a row fail with 5xx, or storing fails (disk full),
-the loop stops with a resumable state (`RunState.fatal`).
+attempt got a 5xx is `server_error` and retried by the next run. If the servers are
+unreachable beyond the retries, authentication fails, many samples in a row fail with 5xx,
+or storing fails (disk full), the loop stops with a resumable state (`RunState.fatal`).
 
 Stopping (Ctrl-C, `request_stop`): no new sample starts, requests in flight are
 cancelled (those samples are simply not done), stores already running finish.
