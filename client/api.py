@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import json
 import time
@@ -47,7 +48,7 @@ import httpx
 from hsx import __version__ as hsx_version
 from hsx import bf16split, wire
 from hsx_client import shm
-from hsx_client.responses import Lease, RawResponse, accept_header, finish_body, is_local
+from hsx_client.responses import Lease, RawResponse, accept_header, copy_out, finish_body, is_local
 from hsx_client.servers import ServerSet, ServerState
 from hsx_client.settings import COMPRESSIONS, DEFAULTS, TRANSFERS, ClientSettings
 from hsx_client.zstd_stream import ZstdBodyDecoder
@@ -275,6 +276,7 @@ class HsxClient:
         try:
             resp = await http.delete(f"{lease.server}/leases/{lease.id}")
         except httpx.HTTPError as exc:
+            self.note_lease_expired(lease.server)
             raise LeaseExpiredError(
                 f"lease release failed ({type(exc).__name__}: {exc}); the states cannot be trusted",
                 type="lease_unknown", server=lease.server,
@@ -282,12 +284,40 @@ class HsxClient:
         if resp.status_code == 204:
             return
         if resp.status_code == 410:
+            self.note_lease_expired(lease.server)
             raise LeaseExpiredError(
                 "the lease expired before its release (server --lease-timeout); redo the request",
                 status=410, type="lease_gone", server=lease.server,
             )
         raise error_from_response(resp.status_code, resp.content, resp.headers, server=lease.server,
                                   request_id=resp.headers.get("x-request-id"))
+
+    def note_lease_expired(self, server: str) -> None:
+        """A lease of `server` expired before its release (counted in `stats()`, and in hsx
+        extract's summary)."""
+        for s in self._servers:
+            if s.url == server:
+                s.leases_expired += 1
+
+    async def take_out(self, raw: RawResponse) -> RawResponse:
+        """`raw` with its states copied out of their lease and the lease released: a 204 proves
+        the copy is the server's states. Do it as soon as the answer is here, before anything
+        slow (decoding, writing, fsync, hashing): a lease held through a store on a loaded box
+        expired. Raises LeaseExpiredError when it had expired anyway (ask again without a
+        lease: `lease_ok=False`). A response without a lease comes back as it is."""
+        lease = raw.lease
+        if lease is None:
+            return raw
+        try:
+            states = await copy_out(lease.states)
+        except BaseException:
+            try:
+                await self.release_lease(lease)
+            except HsxError:
+                pass
+            raise
+        await self.release_lease(lease)
+        return dataclasses.replace(raw, lease=None, states=states)
 
     async def hidden_states_raw(self, body: dict[str, Any], *, request_id: str | None = None) -> bytes:
         """The decompressed safetensors bytes, for callers that store them as they are."""

@@ -76,6 +76,12 @@ class ByteBudget:
             self.held += n
             self.peak = max(self.peak, self.held)
 
+    def take(self, n: int) -> None:
+        """`n` bytes held now, without waiting (bytes already in memory: a lease's states taken
+        out, bounded by the server's stream window); later admissions wait for them."""
+        self.held += n
+        self.peak = max(self.peak, self.held)
+
     async def release(self, n: int) -> None:
         assert self._changed is not None
         async with self._changed:

@@ -2,10 +2,12 @@
 
 A same-host server answers a lease request whose states exceed its stream window with the
 lease head (token ids, mask, metadata, the states' dtype and shape) and then one lease per
-chunk as it lands in the arena. Each chunk is a view of this client's read-only mapping of
-the arena: no copy. A chunk's lease is released (strictly: a 410 means the bytes may have
-been overwritten, LeaseExpiredError) as soon as the next chunk is asked for, so the server
-can copy a later chunk into its slot; the stream's memory is one HTTP line at a time.
+chunk as it lands in the arena. Each chunk is copied out of this client's read-only mapping
+of the arena into one reused buffer as soon as its record is read, and its lease released
+then (strictly: a 410 means the bytes may have been overwritten, LeaseExpiredError), before
+the caller writes it: a lease held through a write (and a file's fsync) on a loaded box
+expired, and an expired chunk lease ends the request on the server. The first chunk is taken
+out with the head, before the caller opens its file. The stream's memory is one chunk.
 
 torch is imported with this module, which HsxClient loads in a thread when it attaches to an
 arena: imported lazily in `head()`, it ran on the event loop while the first chunk leases'
@@ -14,6 +16,7 @@ clocks ran, and on a loaded box (seconds to minutes for a first `import torch`) 
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -22,8 +25,8 @@ import numpy as np
 import torch
 
 from hsx import dtypes, wire
-from hsx_client.errors import HsxError, ServerError
-from hsx_client.responses import Lease, RawResponse
+from hsx_client.errors import HsxError, LeaseExpiredError, ServerError
+from hsx_client.responses import THREAD_COPY_BYTES, Lease, RawResponse, copy_into
 
 
 from hsx_client.sample_stream import SampleHead, StatesChunk
@@ -52,6 +55,9 @@ class LeaseStream:
         self._head: Any = None
         self._next_token = 0
         self._closed = False
+        self._buf: bytearray | None = None  # the chunk taken out last (reused)
+        self._taken: StatesChunk | None = None  # taken out with the head, not yet handed out
+        self._ended = False
 
     async def _read_more(self) -> None:
         try:
@@ -85,7 +91,12 @@ class LeaseStream:
             raise wire.WireFormatError(f"hidden_states {shape} does not match {len(arrays['token_ids'])} tokens")
         self._head = SampleHead(arrays["token_ids"], arrays.get("loss_mask"), meta,
                                 getattr(torch, dtypes.BY_ST[lease["dtype"]].name), shape)
+        self._taken = await self._take_next()  # before the caller does anything slow
         return self._head
+
+    async def take_out(self) -> None:
+        """The head and the first chunk taken out of the arena (the others are, as they are read)."""
+        await self.head()
 
     async def _release_out(self, strict: bool = True) -> None:
         lease, self._out = self._out, None
@@ -97,29 +108,56 @@ class LeaseStream:
             if strict:
                 raise
 
-    async def chunks(self) -> AsyncIterator[Any]:
-        head = await self.head()
+    async def _take_next(self) -> StatesChunk | None:
+        """The next chunk copied out of the arena, its lease released (LeaseExpiredError when
+        it had expired: the copy may be stale); None after the last."""
+        if self._ended:
+            return None
+        head = self._head
         total, n_layers, hidden = head.shape
         row = n_layers * hidden * dtypes.BY_ST[self._reader.lease["dtype"]].itemsize
+        while not self._records:
+            await self._read_more()
+        rec = self._records.popleft()
+        if "error" in rec:
+            status = rec.get("status", 502)
+            if status == 410:  # the server ended the request: a chunk lease expired before its release
+                self._client.note_lease_expired(self._server)
+                raise LeaseExpiredError(f"the server ended the sample: {rec['error']}", status=410, type="lease_gone",
+                                        request_id=self.request_id, server=self._server)
+            raise ServerError(f"the server failed mid-sample: {rec['error']}", status=status,
+                              type="engine_error", request_id=self.request_id, server=self._server)
+        if "end" in rec:
+            self._ended = True
+            if self._next_token != total:
+                raise wire.WireFormatError(f"lease stream ended at token {self._next_token} of {total}")
+            return None
+        a, b = (int(t) for t in rec["tokens"])
+        self._out = Lease(rec["id"], self._server, memoryview(b""))
+        nbytes = int(rec["nbytes"])
+        if a != self._next_token or not a < b <= total or nbytes != (b - a) * row:
+            raise wire.WireFormatError(f"lease stream chunk {rec} out of order or mis-sized")
+        if self._buf is None or len(self._buf) < nbytes:
+            self._buf = bytearray(nbytes)
+        data = memoryview(self._buf)[:nbytes]
+        view = self._arena.view(int(rec["offset"]), nbytes)
+        if nbytes >= THREAD_COPY_BYTES:
+            await asyncio.to_thread(copy_into, data, view)
+        else:
+            copy_into(data, view)
+        await self._release_out()  # its slot may take a later chunk; a 410: the copy may be stale
+        self._next_token = b
+        return StatesChunk(a, b, data)
+
+    async def chunks(self) -> AsyncIterator[Any]:
+        await self.head()
         while True:
-            await self._release_out()  # the previous chunk was read: its slot may take the next
-            while not self._records:
-                await self._read_more()
-            rec = self._records.popleft()
-            if "error" in rec:
-                raise ServerError(f"the server failed mid-sample: {rec['error']}", status=rec.get("status", 502),
-                                  type="engine_error", request_id=self.request_id, server=self._server)
-            if "end" in rec:
-                if self._next_token != total:
-                    raise wire.WireFormatError(f"lease stream ended at token {self._next_token} of {total}")
+            chunk, self._taken = self._taken, None
+            if chunk is None:
+                chunk = await self._take_next()
+            if chunk is None:
                 return
-            a, b = (int(t) for t in rec["tokens"])
-            self._out = Lease(rec["id"], self._server, memoryview(b""))
-            if a != self._next_token or not a < b <= total or int(rec["nbytes"]) != (b - a) * row:
-                raise wire.WireFormatError(f"lease stream chunk {rec} out of order or mis-sized")
-            self._out.states = self._arena.view(int(rec["offset"]), int(rec["nbytes"]))
-            self._next_token = b
-            yield StatesChunk(a, b, self._out.states)
+            yield chunk  # a copy, valid until the next chunk is asked for
 
     async def release(self) -> None:
         """Nothing is held once `chunks()` has ended (each lease was released on the way)."""

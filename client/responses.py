@@ -3,9 +3,11 @@ helpers of its body: the Accept header asked, the body checked or un-split once 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import httpx
+import numpy as np
 
 from hsx import bf16split, wire
 
@@ -23,7 +25,8 @@ class Lease:
 class RawResponse:
     """A successful `POST /hidden_states`: the decompressed safetensors body and how it came.
     With a lease, `body` lacks the hidden_states bytes: decode with `wire.decode(body,
-    lease.states)` and call `HsxClient.release_lease` once they are stored."""
+    lease.states)`, or take them out of the lease first (`HsxClient.take_out`: copied here,
+    the lease released at once) and store them after."""
 
     body: bytes
     request_id: str | None
@@ -31,9 +34,31 @@ class RawResponse:
     wire_bytes: int  # bytes on the wire (compressed when the server compressed)
     attempts: int = 1
     lease: Lease | None = None
+    states: bytearray | None = None  # the states taken out of a lease (HsxClient.take_out): no lease left
 
     def decode(self) -> wire.Decoded:
-        return wire.decode(self.body, self.lease.states if self.lease else None)
+        if self.lease is not None:
+            return wire.decode(self.body, self.lease.states)
+        return wire.decode(self.body, None if self.states is None else memoryview(self.states))
+
+
+# A lease copied out above this size is copied in a thread (numpy's copy lets go of the GIL):
+# the event loop keeps receiving other samples meanwhile.
+THREAD_COPY_BYTES = 4 << 20
+
+
+def copy_into(out: bytearray | memoryview, view: memoryview) -> None:
+    np.copyto(np.frombuffer(out, np.uint8, count=view.nbytes), np.frombuffer(view, np.uint8))
+
+
+async def copy_out(view: memoryview) -> bytearray:
+    """The bytes of `view` (a lease's arena range) in memory of this process."""
+    out = bytearray(view.nbytes)
+    if view.nbytes >= THREAD_COPY_BYTES:
+        await asyncio.to_thread(copy_into, out, view)
+    elif view.nbytes:
+        copy_into(out, view)
+    return out
 
 
 def finish_body(raw: bytes, compression: str) -> bytes:

@@ -290,8 +290,9 @@ class ZstdPieces:
 # ----------------------------------------------------------------------------- producers
 class WholeSampleStream:
     """A sample already here whole (a lease view, a body read whole): one chunk, no copy.
-    `release` (a lease's strict release: LeaseExpiredError when it had expired) is the
-    caller's once the states are stored; `aclose` gives a lease back quietly otherwise."""
+    `take_out()` copies a lease's states here and releases it at once (LeaseExpiredError when
+    it had expired): call it before anything slow. Otherwise `release` (a lease's strict
+    release) is the caller's once the states are stored; `aclose` gives a lease back quietly."""
 
     def __init__(self, raw: Any, client: Any = None) -> None:
         self._raw = raw  # hsx_client.responses.RawResponse
@@ -300,6 +301,7 @@ class WholeSampleStream:
         self.lease = raw.lease
         self.request_id = raw.request_id
         self.wire_bytes = raw.wire_bytes
+        self.taken_bytes = 0  # the states taken out of a lease (in this process's memory)
 
     def _decode(self) -> wire.Decoded:
         if self._decoded is None:
@@ -315,6 +317,13 @@ class WholeSampleStream:
         hs = self._decode().hidden_states
         if hs.shape[0]:
             yield StatesChunk(0, int(hs.shape[0]), memoryview(hs.reshape(-1).view(dtype=_u8()).numpy()))
+
+    async def take_out(self) -> None:
+        if self.lease is not None and self._client is not None:
+            self.lease = None  # released by take_out, whatever it answers
+            self._raw = await self._client.take_out(self._raw)
+            self._decoded = None
+            self.taken_bytes = len(self._raw.states or b"")
 
     async def release(self) -> None:
         lease, self.lease = self.lease, None

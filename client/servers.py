@@ -35,6 +35,7 @@ class ServerState:
     refused: int = 0  # 4xx answers about the request itself (bad input, a row dropped by policy)
     retries: int = 0
     errors: int = 0
+    leases_expired: int = 0  # leases found expired at their release: those samples were asked again
     healthy: bool = True
     unhealthy_until: float = 0.0
     busy_until: float = 0.0
@@ -59,6 +60,7 @@ class ServerState:
             "refused": self.refused,
             "retries": self.retries,
             "errors": self.errors,
+            "leases_expired": self.leases_expired,
             "healthy": self.healthy,
             "wire_bytes": self.wire_bytes,
             "body_bytes": self.body_bytes,

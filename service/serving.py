@@ -238,12 +238,23 @@ class HiddenStatesService:
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
         if lease and not http_worker and self.leases is not None:
-            capped = self.leases.may_lease(session, reservation.extent.reserved)
-            if capped is not None:  # this one comes as an HTTP body: nothing waits, nothing is pinned
-                self.metrics.leases.labels(f"refused_{capped}").inc()
-                lease = False
+            lease = self._admit_client_lease(reservation, session)
         return self._reply(req, prep, reservation, request_id, coding, lease and self.leases is not None, started,
                            session, http_worker)
+
+    def _admit_client_lease(self, reservation: Reservation | StreamWindow, session: str) -> bool:
+        """Whether a client's lease of this range fits its session's caps (Leases.may_lease);
+        beyond them the answer is an HTTP body: nothing waits, nothing is pinned. A lease
+        stream's window is counted here, in the same step as the check: its chunk leases come
+        later, so streams admitted together overshot the half-arena cap by a window."""
+        assert self.leases is not None
+        capped = self.leases.may_lease(session, reservation.extent.reserved)
+        if capped is not None:
+            self.metrics.leases.labels(f"refused_{capped}").inc()
+            return False
+        if isinstance(reservation, StreamWindow):
+            reservation.when_freed(self.leases.hold(session, reservation.extent.reserved).release)
+        return True
 
     def _reply(self, req: HiddenStatesRequest, prep: Prepared, reservation: Reservation, request_id: str,
                coding: str, lease: bool, started: float, session: str | None = None, http_worker: bool = False) -> Reply:
@@ -314,7 +325,12 @@ class HiddenStatesService:
         closes this response only once it reads no chunk any more, so they end with it too. For
         that, this response stays open after its last record until the worker has released every
         chunk: ending it at the last record ended the chunks the worker was still coding, and
-        freed their range for another request while the worker read it."""
+        freed their range for another request while the worker read it.
+
+        A client's chunk lease that expires ends the request (`StreamWindow.stop`): the stream
+        sends an error record (410) and ends, the worker cancels and frees the KV blocks, and
+        the window is freed. Offering the next chunk instead kept a silent client's request,
+        its blocks and its window for one --lease-timeout per chunk."""
         metadata["lease"] = json.dumps({
             "chunked": True, "arena_id": self.prefill.arena.arena_id, "dtype": states.dtype,
             "shape": list(states.shape), "expires_in": self.settings.lease_timeout,
@@ -325,6 +341,11 @@ class HiddenStatesService:
         leases = self.leases
         assert leases is not None
         granted: list[str] = []
+        expired = f"a chunk lease expired after --lease-timeout {leases.timeout:g}s: the client stopped reading"
+
+        def chunk_lease_ended(outcome: str, _report: SendReport | None) -> None:
+            if outcome == "expired":
+                window.stop(expired)
 
         async def stream() -> AsyncIterator[bytes]:
             yield head
@@ -334,7 +355,8 @@ class HiddenStatesService:
                     if not leases.session_alive(session):  # the client is gone: nobody would release it
                         window.give_back(chunk.index)
                         return
-                    lease_id = leases.grant(ChunkLease(window, chunk), session, expires=not http_worker)
+                    lease_id = leases.grant(ChunkLease(window, chunk), session, expires=not http_worker,
+                                            on_end=chunk_lease_ended, counted=False)
                     self.metrics.leases.labels("granted").inc()
                     granted.append(lease_id)
                     line = json.dumps({"id": lease_id, "offset": chunk.offset, "nbytes": chunk.nbytes,
@@ -349,8 +371,9 @@ class HiddenStatesService:
                 yield b'{"end": true}\n'
                 stats.complete = True
             except ChunkFailed as exc:
-                yield json.dumps({"error": f"the engine did not deliver the hidden states ({exc})",
-                                  "status": 502}).encode() + b"\n"
+                error = ({"error": expired, "status": 410} if window.stopped == expired else
+                         {"error": f"the engine did not deliver the hidden states ({exc})", "status": 502})
+                yield json.dumps(error).encode() + b"\n"
             if http_worker:  # its chunks end with its releases, or with this response once it closes it
                 await window.all_back()
 

@@ -111,8 +111,9 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                         "other hosts (bf16split measured slower to decode, bench/README.md) (default auto; env HSX_COMPRESSION)")
     p.add_argument("--transfer", choices=TRANSFERS, default=env.transfer,
                    help="auto: a server on this host hands over the states in shared memory (a lease) "
-                        "instead of an HTTP body, when it offers that and this process may map it; "
-                        "http: always bodies (default auto; env HSX_TRANSFER)")
+                        "instead of an HTTP body, when it offers that and this process may map it (the "
+                        "states are copied out at once; a sample whose lease expired is asked again over "
+                        "HTTP); http: always bodies (default auto; env HSX_TRANSFER)")
     p.add_argument("--workers", type=_positive, default=default_workers(), metavar="N",
                    help="processes that receive, decode, hash and write samples, each with its own "
                         "connections; this process alone writes the manifest (crash safety and resume "

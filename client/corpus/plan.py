@@ -55,7 +55,7 @@ from hsx_client.corpus.settings import ConfigError, CorpusSettings  # noqa: F401
 PLAN_VERSION = 1
 
 # Failures the next run retries by itself (the others only with --retry-failed).
-RETRIED_KINDS = ("server_error", "lease_expired")
+RETRIED_KINDS = ("server_error", "lease_expired")  # lease_expired: failed.jsonl of earlier versions
 DROPPED = "dropped"  # not stored by policy (no supervised token): not a failure, never retried
 
 

@@ -107,6 +107,10 @@ class Progress:
             errors += s.get("errors", 0)
         return retries, errors
 
+    def leases_expired(self) -> int:
+        """Leases found expired at their release: each of those samples was asked again over HTTP."""
+        return sum(s.get("leases_expired", 0) for s in self.servers().values())
+
     def postfix(self) -> str:
         el = self.elapsed
         retries, errors = self._totals()
@@ -119,6 +123,9 @@ class Progress:
             parts.append(f"retries {retries}")
         if errors:
             parts.append(f"errors {errors}")
+        expired = self.leases_expired()
+        if expired:
+            parts.append(f"leases expired {expired}")
         if self.failed:
             parts.append(f"failed {self.failed}")
         if self.dropped:
@@ -164,6 +171,7 @@ class Progress:
             "written_MB_per_s": round(self.written_bytes / el / 1e6, 3),
             "retries": retries,
             "errors": errors,
+            "leases_expired": self.leases_expired(),
             "servers": self.servers(),
         }
 
@@ -242,6 +250,9 @@ def format_summary(s: dict[str, Any]) -> str:
             f" errors {st.get('errors')}"
             f" {'healthy' if st.get('healthy') else 'UNHEALTHY: ' + str(st.get('last_error'))}"
         )
+    if s.get("leases_expired"):
+        lines.append(f"{s['leases_expired']} leases expired, asked again over HTTP (their states were not taken out "
+                     "in time: a loaded box, or a short server --lease-timeout)")
     if s.get("truncated"):
         lines.append(f"cut: {s['truncated']} stored sample(s) were longer than --max-length {s.get('max_length')} "
                      f"and cut ({s.get('truncation')} truncation)")

@@ -7,20 +7,24 @@
             the response as a stream and writes its file as the states arrive
             (hsx_client.corpus.stream_write), each stream admitted against the memory
             budget (hsx_client.byte_budget, `--max-buffer-bytes`);
-    record  its manifest line appended (fsync'ed): only then does the sample count. For
-            states read from a same-host server's shared memory (a lease), the lease is
-            released first: a 204 proves the bytes were still ours while we wrote them; a
-            410 means they may have been overwritten and the sample is asked again.
+    record  its manifest line appended (fsync'ed): only then does the sample count.
+
+States read from a same-host server's shared memory (a lease) are taken out of it as soon
+as the answer is here, before anything slow (decode, write, fsync, hash): copied into this
+process and the lease released, a 204 proving the copy is the server's states (a chunked
+lease: chunk by chunk, hsx_client.lease_stream). A lease held through a store expired on a
+loaded box, again and again. A lease that expired anyway (a 410) has the sample asked again
+over an HTTP body, which cannot expire, so no sample fails for an expired lease; the summary
+counts them ("N leases expired, asked again over HTTP").
 
 Failures of one sample: 400/422/413 (and other 4xx) and a format that cannot encode the
 response are permanent (`bad_request`, `too_large`, `encode`). A sample with no supervised
 token after truncation is *dropped*, not failed (kind `dropped`): every request carries
 `require_supervised`, so the server refuses it (422 no_supervised_tokens) before the
 prefill; a response whose mask is all zero anyway is dropped here too. A sample on which every
-attempt got a 5xx is `server_error` and retried by the next run, as is one whose lease
-kept expiring (`lease_expired`). If the servers are unreachable beyond the retries,
-authentication fails, many samples in a row fail with 5xx, or storing fails (disk full),
-the loop stops with a resumable state (`RunState.fatal`).
+attempt got a 5xx is `server_error` and retried by the next run. If the servers are
+unreachable beyond the retries, authentication fails, many samples in a row fail with 5xx,
+or storing fails (disk full), the loop stops with a resumable state (`RunState.fatal`).
 
 Stopping (Ctrl-C, `request_stop`): no new sample starts, requests in flight are
 cancelled (those samples are simply not done), stores already running finish.
@@ -48,7 +52,7 @@ from typing import Any
 
 from hsx.host import usable_cores
 from hsx_client.corpus import journal, store
-from hsx_client.api import HsxClient, Lease, RawResponse
+from hsx_client.api import HsxClient, RawResponse
 from hsx_client.errors import (
     AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError, ServersUnreachableError,
 )
@@ -58,7 +62,7 @@ from hsx_client.corpus.settings import CorpusSettings
 
 log = logging.getLogger("hsx.extract")
 
-LEASE_REDOS = 3  # a sample whose lease expired this often before its store ended fails
+STREAM_REDOS = 3  # a sample whose body broke off this often fails (server_error)
 EXIT_INTERRUPTED = 130
 
 
@@ -105,7 +109,7 @@ class RunState:
     stop_reason: str | None = None
     fatal: BaseException | None = None
     consecutive_5xx: int = 0
-    lease_redos: dict[int, int] = field(default_factory=dict)
+    http_only: set[int] = field(default_factory=set)  # samples whose lease expired: asked again over HTTP
     store_s: float = 0.0  # summed over samples: decode, encode, write, fsync (bench's profile)
     life_s: float = 0.0  # summed over answered samples: taken off the queue -> stored (bench's profile)
     worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # --workers: their clients' stats, summed
@@ -124,27 +128,6 @@ class RunState:
         body.setdefault("id", sample.key)
         body.setdefault("require_supervised", True)  # refused before the prefill (dropped)
         return body
-
-
-class _HeldLease:
-    """A lease this worker holds: `release()` is the one that counts (raises
-    LeaseExpiredError); `drop()` gives the range back quietly when the sample was not
-    stored. Either happens once."""
-
-    def __init__(self, client: HsxClient, lease: Lease | None) -> None:
-        self._client = client
-        self.lease = lease
-
-    async def release(self) -> None:
-        lease, self.lease = self.lease, None
-        if lease is not None:
-            await self._client.release_lease(lease)
-
-    async def drop(self) -> None:
-        try:
-            await self.release()
-        except HsxError:
-            pass
 
 
 def default_write_workers() -> int:
@@ -326,11 +309,16 @@ class RunLoop:
             if st.stopping:
                 return
             raise
+        held = self.reserve
         try:
             stream = await self._fetch(index, stream=True)
             self._phase[task] = "idle"
             if stream is None:
                 return
+            # a whole lease's states, taken out: in memory beyond the stream's chunk buffer
+            extra = max(0, getattr(stream, "taken_bytes", 0) - self.chunk_bytes)
+            self.budget.take(extra)
+            held += extra
             self._phase[task] = "store"
             try:
                 await self._store_stream(index, stream)
@@ -338,7 +326,7 @@ class RunLoop:
                 st.life_s += time.perf_counter() - t_taken
         finally:
             self._phase[task] = "idle"
-            await self.budget.release(self.reserve)
+            await self.budget.release(held)
 
     async def _store_stream(self, index: int, stream: Any) -> None:
         from hsx_client.corpus.formats.common import CorpusFormatError
@@ -354,13 +342,6 @@ class RunLoop:
         t = time.perf_counter()
         try:
             stored = await store_stream(st.out, st.fmt, index, stream, st.ctx, blocking)
-            release = getattr(stream, "release", None)
-            if release is not None:  # a whole lease: a 204 proves the bytes were ours while written
-                try:
-                    await release()
-                except LeaseExpiredError as exc:
-                    self._lease_expired(index, exc)
-                    return
             entry = self._entry(index, stored.files, stored.record, int(stored.head.shape[0]),
                                 stream.request_id, stored.head.metadata)
             await blocking(st.manifest.append, entry)
@@ -373,9 +354,12 @@ class RunLoop:
         except StreamDropped as exc:
             self._fail(index, DROPPED, exc)
             return
+        except LeaseExpiredError as exc:  # a chunk's lease expired before it was taken out
+            self._lease_expired(index, exc)
+            return
         except (HsxError, StreamError) as exc:  # the body broke off or came malformed: ask again
             redos = st.stream_redos[index] = st.stream_redos.get(index, 0) + 1
-            if redos >= LEASE_REDOS:
+            if redos >= STREAM_REDOS:
                 self._fail(index, "server_error", exc)
             else:
                 log.warning("sample %d: %s; requesting it again", index, exc)
@@ -409,12 +393,14 @@ class RunLoop:
         """The response (a SampleStream when `stream`), or None: the sample failed (logged)
         or the run stops."""
         st = self.state
+        lease_ok = index not in st.http_only
         try:
             body = st.request_body(index)
             if stream:
-                raw = await st.client.hidden_states_stream(body, lease_ok=True, chunk_bytes=self.chunk_bytes)
+                raw = await st.client.hidden_states_stream(body, lease_ok=lease_ok, chunk_bytes=self.chunk_bytes)
             else:  # a format may ask for less than states (POST /tokenize)
-                raw = await st.fmt.fetch(st.client, body)
+                raw = await st.fmt.fetch(st.client, body, lease_ok=lease_ok)
+            raw = await self._take_out(raw)
         except asyncio.CancelledError:
             if st.stopping:
                 return None  # abandoned: not done, redone on resume
@@ -434,6 +420,9 @@ class RunLoop:
         except AuthenticationError as exc:
             self._stop_on(exc, "authentication failed")
             return None
+        except LeaseExpiredError as exc:
+            self._lease_expired(index, exc)
+            return None
         except HsxError as exc:  # 400/422/413/other 4xx: the sample is bad
             if exc.type == NO_SUPERVISED:
                 self._fail(index, DROPPED, exc)
@@ -443,24 +432,31 @@ class RunLoop:
         st.consecutive_5xx = 0
         return raw
 
+    async def _take_out(self, answer: Any) -> Any:
+        """A lease's states copied here and the lease released, before anything slow (the
+        module docstring); LeaseExpiredError when it had expired. A stream's own `take_out`
+        (a chunked lease stream's: its first chunk; the others as they are read), a
+        RawResponse's through the client."""
+        try:
+            if hasattr(answer, "take_out"):  # a stream under a lease
+                await answer.take_out()
+                return answer
+            if getattr(answer, "lease", None) is not None:
+                return await self.state.client.take_out(answer)
+            return answer
+        except BaseException:
+            if hasattr(answer, "aclose"):
+                await answer.aclose()
+            raise
+
     async def _store_and_record(self, index: int, raw: RawResponse) -> None:
         st = self.state
         loop = asyncio.get_running_loop()
-        lease = _HeldLease(st.client, raw.lease)
         try:
             # Shielded: a stop must not leave a file half-written by a cancelled await.
             t = time.perf_counter()
-            entry, written = await asyncio.shield(
-                loop.run_in_executor(self._pool, self._store, index, raw, raw.lease is None)
-            )
+            entry, written = await asyncio.shield(loop.run_in_executor(self._pool, self._store, index, raw))
             st.store_s += time.perf_counter() - t
-            if raw.lease is not None:
-                try:
-                    await lease.release()
-                except LeaseExpiredError as exc:
-                    self._lease_expired(index, exc)
-                    return
-                await loop.run_in_executor(self._pool, st.manifest.append, entry)
         except SampleEncodeError as exc:
             self._fail(index, "encode", exc)
             return
@@ -472,26 +468,20 @@ class RunLoop:
         except BaseException as exc:  # disk full, a bug: stop, resumable
             self._stop_on(exc, f"storing failed: {exc}")
             return
-        finally:
-            await lease.drop()  # not stored: give the range back now rather than at its expiry
         st.done[index] = entry
         st.progress.sample_done(tokens=entry["tokens"], wire_bytes=raw.wire_bytes, written_bytes=written)
         if self.hooks.on_stored is not None:
             self.hooks.on_stored(st, index, entry)
 
     def _lease_expired(self, index: int, exc: LeaseExpiredError) -> None:
+        """Asked again over an HTTP body, which cannot expire: no sample fails for a lease."""
         st = self.state
-        redos = st.lease_redos[index] = st.lease_redos.get(index, 0) + 1
-        if redos >= LEASE_REDOS:  # the store keeps outlasting the lease
-            exc.message += f" ({redos} times: raise the server's --lease-timeout, or use --transfer http)"
-            self._fail(index, "lease_expired", exc)
-            return
-        log.warning("sample %d: %s; requesting it again", index, exc)
+        st.http_only.add(index)
+        log.warning("sample %d: %s; asking again over HTTP", index, exc)
         st.queue.append(index)
 
-    def _store(self, index: int, raw: RawResponse, record: bool) -> tuple[dict[str, Any], int]:
-        """In a pool thread: decode, encode, write the files; with `record`, append the
-        manifest line too (saves a second hop to the pool)."""
+    def _store(self, index: int, raw: RawResponse) -> tuple[dict[str, Any], int]:
+        """In a pool thread: decode, encode, write the files, append the manifest line."""
         st = self.state
         try:
             decoded = raw.decode()
@@ -508,8 +498,7 @@ class RunLoop:
             raise SampleEncodeError(f"{type(exc).__name__}: {exc}") from exc
         files = store.write_files_atomic(st.out, out.files)
         entry = self._entry(index, files, out.record, int(len(decoded.token_ids)), raw.request_id, decoded.metadata)
-        if record:
-            st.manifest.append(entry)
+        st.manifest.append(entry)
         return entry, sum(f["size"] for f in files.values())
 
     def _fail(self, index: int, kind: str, exc: BaseException) -> None:

@@ -245,20 +245,21 @@ class HsxTransfer(HiddenStatesTransfer):
         body: dict[str, Any] = {"input_ids": row_ids.tolist(), "id": f"row-{file_idx}"}
         if rt.layers is not None:
             body["layers"] = rt.layers
+        lease_ok = True
         for _ in range(_LEASE_REDOS):
             # Streamed (issue 29): the states go from each chunk straight into the one tensor
             # handed to the trainer (a leased range is reused once released, so one copy is
             # needed; over HTTP the body is never held whole besides).
-            stream = await rt.client.hidden_states_stream(body, lease_ok=True)
+            stream = await rt.client.hidden_states_stream(body, lease_ok=lease_ok)
             try:
                 hs, head = await _receive(stream)
                 release = getattr(stream, "release", None)
                 if release is not None:  # a whole lease: a 204 proves the bytes were ours while copied
-                    try:
-                        await release()
-                    except LeaseExpiredError as exc:  # read under an expired lease: redo
-                        log.warning("row %d: %s; requesting it again", file_idx, exc)
-                        continue
+                    await release()
+            except LeaseExpiredError as exc:  # read under an expired lease: asked again over HTTP (cannot expire)
+                log.warning("row %d: %s; asking again over HTTP", file_idx, exc)
+                lease_ok = False
+                continue
             except HsxError as exc:
                 if not exc.retryable:
                     raise

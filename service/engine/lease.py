@@ -30,7 +30,11 @@ was killed) the socket's thread tells the event loop, which releases them at onc
 drain. A live client that never releases is bounded too (`Leases.may_lease`): at most
 --lease-max-per-session leases per session, and client leases together hold at most
 half the arena; beyond, its requests get HTTP bodies, so requests answered with bodies
-always find room.
+always find room. A chunked lease stream (window.py) counts as one lease of its whole
+window from the moment it is admitted (`Leases.hold`) until its window is freed: its chunk
+leases come later, so counting them as they were granted let streams admitted together
+overshoot the half. An expired chunk lease ends its stream (serving.py): the request is
+aborted and its window and KV blocks freed within the timeout.
 
 Who may lease (the threat model, docs/security.md): the descriptor maps the whole arena,
 so a holder can read every client's states in it, not only its own. Without API keys only
@@ -70,11 +74,26 @@ class _Lease:
     timer: asyncio.TimerHandle | None  # its expiry; none for an HTTP worker's lease
     session: str | None  # the client's arena-socket connection, if it sent one
     on_end: Callable[[str, "SendReport | None"], None] | None = None
+    counted: bool = False  # against its session's caps (Leases.may_lease)
 
 
 # Client leases altogether hold at most this share of the arena; beyond it, HTTP bodies.
 # However many sessions lease, requests answered with a body always find room.
 CLIENT_ARENA_SHARE = 0.5
+
+
+class StreamHold:
+    """A lease stream's share of its session's caps: one lease and its window's bytes, taken
+    when the stream is admitted and given back (once) when its window is freed."""
+
+    def __init__(self, leases: "Leases", session: str, nbytes: int) -> None:
+        self._leases, self.session, self.nbytes = leases, session, nbytes
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._leases._uncount(self.session, self.nbytes)
 
 
 class Leases:
@@ -114,17 +133,34 @@ class Leases:
             return "arena"
         return None
 
+    def hold(self, session: str, nbytes: int) -> StreamHold:
+        """`nbytes` counted against the caps now, as one lease of `session` (a lease stream's
+        window, whose chunk leases are granted later: `grant(..., counted=False)`). Ask
+        `may_lease` first, in the same step of the event loop, for a true cap."""
+        self._count(session, nbytes)
+        return StreamHold(self, session, nbytes)
+
+    def _count(self, session: str, nbytes: int) -> None:
+        self._held[session] = self._held.get(session, 0) + 1
+        self.client_bytes += nbytes
+
+    def _uncount(self, session: str, nbytes: int) -> None:
+        self.client_bytes -= nbytes
+        left = self._held.pop(session) - 1
+        if left:
+            self._held[session] = left
+
     def grant(self, reservation: Reservation, session: str | None = None, expires: bool = True,
-              on_end: Callable[[str, SendReport | None], None] | None = None) -> str:
+              on_end: Callable[[str, SendReport | None], None] | None = None, counted: bool = True) -> str:
         """A new lease on `reservation`. `expires`: after the timeout (a client's); an HTTP
         worker's lasts until released or its session ends. `on_end(outcome, report)` runs
-        when it ends."""
+        when it ends. `counted`: False for a chunk lease, whose stream's `hold` counts it."""
         lease_id = secrets.token_hex(16)
         timer = asyncio.get_running_loop().call_later(self.timeout, self.release, lease_id, "expired") if expires else None
-        self._live[lease_id] = _Lease(reservation, timer, session, on_end)
-        if expires and session is not None:  # a client's: counted against its caps
-            self._held[session] = self._held.get(session, 0) + 1
-            self.client_bytes += reservation.extent.reserved
+        counted = counted and expires and session is not None  # a client's: counted against its caps
+        self._live[lease_id] = _Lease(reservation, timer, session, on_end, counted)
+        if counted:
+            self._count(session, reservation.extent.reserved)
         return lease_id
 
     def end_session(self, session: str) -> int:
@@ -145,11 +181,8 @@ class Leases:
             return False
         if lease.timer is not None:
             lease.timer.cancel()
-            if lease.session is not None:
-                self.client_bytes -= lease.reservation.extent.reserved
-                left = self._held.pop(lease.session) - 1
-                if left:
-                    self._held[lease.session] = left
+        if lease.counted:
+            self._uncount(lease.session, lease.reservation.extent.reserved)
         if outcome == "expired":
             log.warning("lease %s expired after %.0fs without a release; its range is reused", lease_id[:8], self.timeout)
         lease.reservation.release()

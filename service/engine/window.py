@@ -56,6 +56,8 @@ class StreamWindow:
         self.closed = False
         self._timer: asyncio.TimerHandle | None = None
         self._on_give_up = on_give_up  # told the key when no end notice came in time
+        self.stopped: str | None = None  # why no more chunks are handed out (`stop`)
+        self._on_free: list[Callable[[], None]] = []
 
     @property
     def extent(self) -> Extent:
@@ -91,11 +93,13 @@ class StreamWindow:
         if self._next >= self.total:
             return None
         index = self._next
-        while index not in self._landed:
+        while self.stopped is None and index not in self._landed:
             if self.ended:
                 raise ChunkFailed(self.error or f"the save ended before chunk {index}")
             self._changed.clear()
             await self._changed.wait()
+        if self.stopped is not None:
+            raise ChunkFailed(self.stopped)
         slot = self._landed.pop(index)
         self._out[index] = slot
         self._next += 1
@@ -138,6 +142,23 @@ class StreamWindow:
 
     release = close  # serving's cleanup calls it as it does a Reservation's
 
+    def stop(self, reason: str) -> None:
+        """End the request now (a chunk lease expired: its client stopped reading): no more
+        chunks are handed out (`next_chunk` raises ChunkFailed with `reason`), the worker is
+        told to cancel (it ends and frees the request's KV blocks), and the range is freed once
+        it has ended and every chunk is back."""
+        if self.stopped is None:
+            self.stopped = reason
+            self._changed.set()
+        self.close()
+
+    def when_freed(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once the window's range is freed (a lease stream's hold on the caps)."""
+        if self.reservation.owned:
+            self._on_free.append(fn)
+        else:
+            fn()
+
     def _give_up(self) -> None:
         log.warning("no end notice for chunked save %s; freeing its window after timeout", self.key[:8])
         self.ended = True
@@ -152,6 +173,9 @@ class StreamWindow:
                 self._timer.cancel()
                 self._timer = None
             self.reservation.release()
+            on_free, self._on_free = self._on_free, []
+            for fn in on_free:
+                fn()
 
 
 class WindowStates:

@@ -210,3 +210,59 @@ def test_whole_response_callers_get_a_chunked_lease_whole(chunk_server, referenc
     raw = asyncio.run(main())
     got = raw.decode()
     assert raw.lease is None and got.token_ids.tolist() == ids and rel_err(got.hidden_states, ref) < 1e-4
+
+
+# Issue 36 item 4 needs chunk_server started with a short --lease-timeout (tests/conftest.py:
+# `--lease-timeout 5` on its command line); with a longer one the test skips, since it waits
+# for an expiry. Locally: HSX_LEASE_TIMEOUT=5 in the environment of the test run.
+SILENT_TEST_MAX_TIMEOUT = 15.0
+
+
+def test_a_silent_lease_stream_client_is_ended_within_the_lease_timeout(chunk_server):
+    """Issue 36 item 4: a client that takes a chunked lease answer and then says nothing kept
+    its request, its KV blocks and its window: each expired chunk lease gave the next chunk to
+    the same client (33 such streams held 33 slots and half the arena past 75 s against
+    --lease-timeout 60). Now the first expiry ends the request: the engine request is
+    aborted, window, KV blocks and the in-flight slot freed within about the timeout, and the
+    stream's last record says why (410)."""
+    import time
+
+    from hsx import wire
+    from hsx_client import shm
+
+    offer = httpx.get(chunk_server.url + "/info").json()["shm_lease"]
+    arena = shm.attach(offer, None)  # the lease session: open for the whole test
+    expired_before = chunk_server.metrics().get("hsx_leases_total", 0, outcome="expired")
+    try:
+        headers = {"Accept": f"{wire.LEASE_MEDIA_TYPE}, {wire.MEDIA_TYPE};q=0.5", shm.SESSION_HEADER: arena.session}
+        with httpx.stream("POST", chunk_server.url + "/hidden_states", json={"input_ids": _ids(5)}, headers=headers,
+                          timeout=300) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == wire.LEASE_STREAM_MEDIA_TYPE
+            reader, pieces = wire.LeaseStreamReader(), r.iter_raw()
+            records = []
+            while reader.head is None:
+                records += reader.feed(next(pieces))
+            timeout = float(reader.lease["expires_in"])
+            if timeout > SILENT_TEST_MAX_TIMEOUT:
+                pytest.skip(f"chunk_server's --lease-timeout is {timeout:g}s: this test needs at most "
+                            f"{SILENT_TEST_MAX_TIMEOUT:g}s (see SILENT_TEST_MAX_TIMEOUT)")
+            t0 = time.monotonic()
+            # silent from here: no chunk read, no lease released, the connection open
+
+            def freed():
+                m = chunk_server.metrics()
+                return (m.get("hsx_arena_used_bytes") == 0 and m.get("hsx_leases_live") == 0
+                        and m.get("hsx_inflight_requests") == 0 and m.get("hsx_kv_cache_usage", 0.0) == 0.0)
+
+            wait_until(freed, timeout + 30, "the silent client's request ended and its window, KV and slot freed")
+            took = time.monotonic() - t0
+            for piece in pieces:  # what was sent meanwhile: a lease or two, then why it ended
+                records += reader.feed(piece)
+        assert took < timeout + 15, f"freed {took:.1f}s after the head against --lease-timeout {timeout:g}"
+        assert records and records[-1].get("status") == 410 and "lease expired" in records[-1]["error"]
+        assert sum("id" in rec for rec in records) <= 8  # no more than the window's slots were offered
+        assert chunk_server.metrics().get("hsx_leases_total", 0, outcome="expired") > expired_before
+    finally:
+        arena.close()
+    r = httpx.post(chunk_server.url + "/hidden_states", json={"input_ids": _ids(6, 100)}, timeout=300)
+    assert r.status_code == 200

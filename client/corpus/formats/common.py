@@ -59,8 +59,9 @@ class CorpusFormat(Protocol):
     def prepare(self) -> None:
         """What finalize needs, imported before the run (a missing package fails there)."""
 
-    async def fetch(self, client: HsxClient, body: dict[str, Any]) -> Any:
-        """One sample's response from the servers (a format may ask for less than states)."""
+    async def fetch(self, client: HsxClient, body: dict[str, Any], lease_ok: bool = True) -> Any:
+        """One sample's response from the servers (a format may ask for less than states).
+        `lease_ok`: False asks for an HTTP body (the sample's lease expired once)."""
 
     def drop_reason(self, mask: np.ndarray) -> str | None:
         """Why a sample with a supervised token still leaves its trainer nothing to learn
@@ -98,8 +99,8 @@ class FormatDefaults:
     def prepare(self) -> None:
         return None
 
-    async def fetch(self, client: HsxClient, body: dict[str, Any]) -> Any:
-        return await client.hidden_states_response(body, lease_ok=True)
+    async def fetch(self, client: HsxClient, body: dict[str, Any], lease_ok: bool = True) -> Any:
+        return await client.hidden_states_response(body, lease_ok=lease_ok)
 
     def drop_reason(self, mask: np.ndarray) -> str | None:
         return None

@@ -97,7 +97,7 @@ class SpeculatorsTokensFormat(SpeculatorsFormat):
     def bytes_per_token(self, ctx: CorpusContext) -> float:
         return 8 + 16  # the id file, the table's input_ids + loss_mask
 
-    async def fetch(self, client, body: dict) -> "TokensResponse":
+    async def fetch(self, client, body: dict, lease_ok: bool = True) -> "TokensResponse":
         """What the run loop asks the servers for: POST /tokenize, not /hidden_states."""
         return TokensResponse(await client.tokenize(body))
 

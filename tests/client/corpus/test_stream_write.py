@@ -140,6 +140,22 @@ def test_budget_admits_what_fits_and_one_oversized_alone():
     assert asyncio.run(go()) == 50
 
 
+def test_states_taken_out_of_a_lease_count_against_the_budget():
+    """Issue 36: a whole lease's states are copied here before the store; they are held at
+    once (no wait: they are in memory already) and later admissions wait for them."""
+    async def go():
+        b = ByteBudget(10)
+        await b.acquire(4)
+        b.take(5)
+        waiting = asyncio.ensure_future(b.acquire(4))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and b.held == 9 and b.peak == 9
+        await b.release(9)
+        await asyncio.wait_for(waiting, 1)
+
+    asyncio.run(go())
+
+
 def test_chunk_size_follows_the_budget():
     assert stream_chunk_bytes(16 << 20, 2, 4 << 20) == 4 << 20
     assert stream_chunk_bytes(16 << 20, 8, 4 << 20) == 256 << 10

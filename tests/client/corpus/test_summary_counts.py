@@ -67,6 +67,20 @@ def test_server_counts_leave_out_the_requests_before_the_run_and_add_the_workers
     assert "http://a: requests ok 9 refused 3 retries 1" in line
 
 
+def test_expired_leases_are_summed_over_servers_and_workers_and_named():
+    """Issue 36 item 2: leases that expired (each such sample asked again over HTTP) are counted
+    in the summary; with --workers, the worker processes' counts are added in."""
+    stats = _Stats()
+    stats.s["http://a"].update(leases_expired=1)  # before the run: left out
+    p = Progress(5, quiet=True, server_stats=stats)
+    stats.s["http://a"]["leases_expired"] += 2
+    p.add_server_stats({"http://a": {"ok": 3, "leases_expired": 4, "healthy": True}})
+    s = p.summary()
+    assert s["leases_expired"] == 6
+    assert "6 leases expired, asked again over HTTP" in format_summary(s)
+    assert "leases expired" not in format_summary({**s, "leases_expired": 0})
+
+
 def test_ok_counts_the_samples_of_the_run_not_the_disk_estimates_tokenize_calls(tmp_path, data):
     class Counting(InfoServer):  # a server that counts tokens (/tokenize), as a real one does
         def __call__(self, request):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hsx.wire import TensorSpec, encode_header
-from hsx_client.errors import ServerError
+from hsx_client.errors import LeaseExpiredError, ServerError
 from hsx_client.lease_stream import LeaseStream
 
 T, L, H = 5, 2, 4
@@ -28,11 +28,19 @@ class _Arena:
 
 
 class _Client:
-    def __init__(self) -> None:
+    def __init__(self, expired: tuple[str, ...] = ()) -> None:
         self.released: list[str] = []
+        self.expired = expired  # lease ids whose release answers 410
+        self.noted: list[str] = []
 
     async def release_lease(self, lease) -> None:
         self.released.append(lease.id)
+        if lease.id in self.expired:
+            self.note_lease_expired(lease.server)
+            raise LeaseExpiredError("the lease expired before its release", status=410, type="lease_gone")
+
+    def note_lease_expired(self, server: str) -> None:
+        self.noted.append(server)
 
 
 class _Response:
@@ -55,31 +63,37 @@ def _body(records: list[dict]) -> bytes:
     return head + b"".join(json.dumps(r).encode() + b"\n" for r in records)
 
 
-def _stream(records, states: np.ndarray):
+def _stream(records, states: np.ndarray, client=None):
     data = bytearray(4096)
     for r in records:
         if "tokens" in r:
             a, b = r["tokens"]
             data[r["offset"] : r["offset"] + r["nbytes"]] = states[a:b].tobytes()
-    response, client = _Response(_body(records)), _Client()
-    return LeaseStream(client, "http://s", response, response.aclose, _Arena(bytes(data)), "rid"), client, response
+    response, client = _Response(_body(records)), client or _Client()
+    return LeaseStream(client, "http://s", response, response.aclose, _Arena(data), "rid"), client, response
 
 
 RECORDS = [{"id": "c0", "offset": 0, "nbytes": 3 * ROW, "tokens": [0, 3]},
            {"id": "c1", "offset": 1024, "nbytes": 2 * ROW, "tokens": [3, 5]}, {"end": True}]
 
 
-def test_chunks_arrive_in_order_and_each_is_released_before_the_next():
+def test_chunks_arrive_in_order_each_taken_out_and_released_before_it_is_handed_out():
+    """Issue 36: a chunk's lease was held while the caller wrote it (a slow disk on a loaded
+    box outlasted it). Now each chunk is copied out and its lease released first (the first
+    one with the head, before the caller opens its file); what is handed out is the copy."""
     states = np.random.default_rng(0).standard_normal((T, L, H)).astype(np.float32)
     stream, client, response = _stream(RECORDS, states)
 
     async def main():
         head = await stream.head()
         assert head.shape == (T, L, H) and head.token_ids.tolist() == list(range(T)) and head.metadata == {"m": "1"}
+        assert client.released == ["c0"]  # taken out with the head
         got = []
         async for c in stream.chunks():
+            assert client.released == ["c0", "c1"][: 1 + (c.start > 0)]
+            if c.start == 0:  # released: the server reuses its range at once
+                stream._arena.data[: 3 * ROW] = bytes(3 * ROW)
             got.append((c.start, c.stop, np.frombuffer(c.data, dtype=np.float32).copy()))
-            assert client.released == ["c0"] * (c.start > 0)
         await stream.aclose()
         return got
 
@@ -119,6 +133,26 @@ def test_broken_streams_raise_and_release_what_is_held(records, error):
     with pytest.raises(error):
         asyncio.run(main())
     assert response.closed and client.released in ([], ["c0"], ["c1"])
+
+
+@pytest.mark.parametrize("records, expired", [
+    (RECORDS, ("c1",)),  # the release of a chunk answers 410
+    ([RECORDS[0], {"error": "a chunk lease expired", "status": 410}], ()),  # the server ended the sample
+])
+def test_an_expired_chunk_lease_raises_lease_expired_and_is_counted(records, expired):
+    """The caller asks again over HTTP (hsx extract's run loop) and the summary counts it."""
+    stream, client, response = _stream(records, np.zeros((T, L, H), dtype=np.float32), _Client(expired))
+
+    async def main():
+        try:
+            async for _ in stream.chunks():
+                pass
+        finally:
+            await stream.aclose()
+
+    with pytest.raises(LeaseExpiredError) as err:
+        asyncio.run(main())
+    assert err.value.status == 410 and client.noted == ["http://s"] and response.closed
 
 
 _ATTACH_SCRIPT = r'''

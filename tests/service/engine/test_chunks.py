@@ -396,3 +396,76 @@ def test_window_without_an_end_notice_is_freed_after_its_timeout():
         assert alloc.used == 0 and forgotten == ["k"]
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------- the chunked lease form's expiry
+def _lease_stream_reply(window, leases, session="s"):
+    """serving.HiddenStatesService._reply_lease_stream on `window`, with what it reads of the
+    service stubbed (the arena's id, the timeout, the metrics): the real stream and close."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from hsx_service.serving import HiddenStatesService
+
+    svc = SimpleNamespace(leases=leases, metrics=mock.MagicMock(),
+                          settings=SimpleNamespace(lease_timeout=leases.timeout), prefill=SimpleNamespace(arena=SimpleNamespace(arena_id="a")), _record=lambda *a, **k: None)
+    states = TensorSpec("hidden_states", "F32", (window.num_tokens, L, H))
+    return HiddenStatesService._reply_lease_stream(svc, window, [TensorSpec("token_ids", "I64", (window.num_tokens,))],
+                                                   [np.zeros(window.num_tokens, np.int64).tobytes()], {}, {}, states,
+                                                   session, window.num_tokens, 0.0, 0.0)
+
+
+def test_an_expired_chunk_lease_ends_the_request():
+    """Issue 36 item 4: when a silent client's chunk lease expired, the next chunk was offered
+    to it, so its request, KV blocks and window stayed held for one --lease-timeout per chunk.
+    Now the expiry ends the request: a 410 error record ends the stream, the worker is told to
+    cancel (it frees the blocks), and the window is freed once the worker has ended."""
+    from hsx_service.engine.lease import Leases
+
+    async def main():
+        alloc, w, credits = _window(tokens=12)
+        leases = Leases(timeout=0.1, arena_bytes=alloc.size)
+        reply = _lease_stream_reply(w, leases)
+        stream = reply.stream.__aiter__()
+        await stream.__anext__()  # the head
+        w.on_notice({"key": "k", "ok": True, "chunk": 0, "slot": 0})
+        w.on_notice({"key": "k", "ok": True, "chunk": 1, "slot": 1})
+        records = [json.loads(await stream.__anext__()) for _ in range(2)]
+        assert [r["tokens"] for r in records] == [[0, 3], [3, 6]]
+        await asyncio.sleep(0.3)  # the client released neither: both expire, their slots are credited
+        assert ("cancel",) in credits.sent  # the worker stops copying and frees the request's blocks
+        w.on_notice({"key": "k", "ok": True, "chunk": 2, "slot": 0})  # landed before the worker saw the cancel
+        after = await asyncio.wait_for(stream.__anext__(), 2)  # must not be a lease of chunk 2
+        assert json.loads(after)["status"] == 410 and "lease expired" in json.loads(after)["error"]
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        reply.close()
+        assert alloc.used > 0  # the worker may still write
+        w.on_notice({"key": "k", "ok": False, "error": "cancelled", "end": True})
+        assert alloc.used == 0 and len(leases) == 0 and leases.client_bytes == 0
+
+    asyncio.run(main())
+
+
+def test_released_chunk_leases_stream_to_the_end():
+    """The same stream read by a client that releases each chunk: every chunk, then the end."""
+    from hsx_service.engine.lease import Leases
+
+    async def main():
+        alloc, w, credits = _window(tokens=6)
+        leases = Leases(timeout=5, arena_bytes=alloc.size)
+        reply = _lease_stream_reply(w, leases)
+        stream = reply.stream.__aiter__()
+        await stream.__anext__()
+        for i in range(2):
+            w.on_notice({"key": "k", "ok": True, "chunk": i, "slot": i})
+            rec = json.loads(await stream.__anext__())
+            assert leases.release(rec["id"]) is True
+        w.on_notice({"key": "k", "ok": True, "end": True})
+        assert json.loads(await stream.__anext__()) == {"end": True}
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        reply.close()
+        assert alloc.used == 0 and ("cancel",) not in credits.sent
+
+    asyncio.run(main())
