@@ -152,6 +152,8 @@ def chunk_server(wide_model, log_dir):
     need_vllm()
     server = ServerProcess(str(wide_model), "--dtype", "float32", "--max-model-len", str(WIDE_TOKENS + 64),
                            "--arena-bytes", str(WIDE_ARENA), "--max-num-seqs", "8",
+                           # short, so a silent lease-stream client is seen ended (test_chunked_states)
+                           "--lease-timeout", "5",
                            # a repeated input is computed again, not partly from the prefix cache
                            "--no-enable-prefix-caching", log_dir=log_dir, name="chunked")
     yield server.wait_ready()

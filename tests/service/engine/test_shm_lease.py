@@ -410,7 +410,7 @@ def test_a_store_slower_than_the_lease_loses_nothing(leasing, tmp_path, streams)
 
 class _Shard(formats.SpeculatorsFormat):
     def __init__(self, streams: bool):
-        self.streams = streams  # False: the whole-sample store, as the fp8 variant takes
+        self.streams = streams  # False: the whole-sample store (in a pool thread)
 
 
 @pytest.mark.engine
