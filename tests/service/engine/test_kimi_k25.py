@@ -15,7 +15,7 @@ import pytest
 
 from _reference import check_responses
 from _server import ServerProcess
-from conftest import need_cpu_mla, need_vllm, ready_or_skip_fp32_mla
+from conftest import need_cpu_mla, need_vllm, ready_or_skip_fp32_mla, skip_if_fp32_mla_refused
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,7 @@ def kimi_server(kimi_model, log_dir):
     need_cpu_mla()
     if importlib.util.find_spec("vllm.model_executor.models.kimi_k25") is None:
         pytest.skip("this vLLM has no Kimi-K2.5")
+    skip_if_fp32_mla_refused()
     server = ServerProcess(str(kimi_model), "--dtype", "float32", "--max-model-len", "1024",
                            "--layers", ",".join(map(str, LAYERS)), log_dir=log_dir, name="kimi-k25")
     yield ready_or_skip_fp32_mla(server)

@@ -14,7 +14,7 @@ import pytest
 from _reference import check_responses
 from _server import ServerProcess
 from _server import serve_once as _serve
-from conftest import AMX_FP32_MLA, need_cpu_mla, need_vllm, ready_or_skip_fp32_mla
+from conftest import AMX_FP32_MLA, need_cpu_mla, need_vllm, ready_or_skip_fp32_mla, skip_if_fp32_mla_refused
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -134,6 +134,7 @@ def deepseek_model(tmp_path_factory):
 def deepseek_server(deepseek_model, log_dir):
     """vLLM's CPU backend turns chunked prefill and prefix caching off for MLA models."""
     need_cpu_mla()
+    skip_if_fp32_mla_refused()
     server = ServerProcess(str(deepseek_model), "--dtype", "float32", "--max-model-len", "1024",
                            "--layers", ",".join(map(str, MLA_LAYERS)), log_dir=log_dir, name="deepseek")
     yield ready_or_skip_fp32_mla(server)
@@ -174,6 +175,7 @@ def test_engine_start_failure_quotes_the_engines_exception(tmp_path):
     from hsx_tools.tiny_model import make_tiny_model
 
     need_cpu_mla()
+    skip_if_fp32_mla_refused()
     model = make_tiny_model(tmp_path / "head-dim-96", "deepseek_v3", num_layers=1, num_heads=1,
                             mla=dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32))  # 64 + 32
     r = _serve(str(model), "--dtype", "float32", "--layers", "1", "--enforce-eager")

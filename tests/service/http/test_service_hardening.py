@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from _reference import per_layer_rel_err, reference_states
-from _server import (ServerProcess, engine_core, engine_dead_or_gone, engine_env, eventually, frozen,
+from _server import (ServerProcess, Servers, engine_core, engine_dead_or_gone, engine_env, eventually, frozen,
                      metrics_async, sigterm_once_all_admitted, wait_until)
 from conftest import need_vllm
 from hsx.wire import decode
@@ -36,19 +36,34 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-@pytest.fixture(scope="module")
-def guarded(tiny_model, log_dir):
+def _start_guarded(tiny_model, log_dir) -> ServerProcess:
     """Small limits and two API keys."""
-    need_vllm()
-    server = ServerProcess(
+    return ServerProcess(
         str(tiny_model), "--dtype", "float32", "--max-model-len", "1024",
         "--api-key", ",".join(KEYS), "--max-inflight", "4", "--max-body-bytes", "200000",
         "--max-messages", "8", "--max-tokens-per-request", "600", "--arena-bytes", str(8 << 20),
         "--max-num-batched-tokens", "32",
         log_dir=log_dir, name="guarded",
-    )
-    yield server.wait_ready()
-    server.stop()
+    ).wait_ready()
+
+
+@pytest.fixture(scope="module")
+def guarded_servers(tiny_model, log_dir):
+    need_vllm()
+    servers = Servers(lambda: _start_guarded(tiny_model, log_dir))
+    yield servers
+    servers.stop_all()
+
+
+@pytest.fixture
+def guarded(guarded_servers) -> ServerProcess:
+    return guarded_servers.shared()
+
+
+@pytest.fixture
+def guarded_to_stop(guarded_servers) -> ServerProcess:
+    """The guarded server, for a test that kills it (it runs last in the module: conftest.py)."""
+    return guarded_servers.to_stop()
 
 
 def post(server, body, headers=AUTH, **kw):
@@ -245,14 +260,6 @@ async def test_injected_engine_failure_gives_500_health_503_and_nonzero_exit(tin
         server.stop()
 
 
-def test_killed_engine_process_exits_nonzero(tiny_model, log_dir):
-    need_vllm()
-    server = ServerProcess(str(tiny_model), "--dtype", "float32", "--max-model-len", "1024",
-                           log_dir=log_dir, name="killed").wait_ready()
-    try:
-        engine_core(server).kill()
-        code = server.proc.wait(90)
-        assert code != 0
-    finally:
-        server.stop()
-
+def test_killed_engine_process_exits_nonzero(guarded_to_stop):
+    engine_core(guarded_to_stop).kill()
+    assert guarded_to_stop.proc.wait(90) != 0
