@@ -20,16 +20,23 @@ worker processes; spawn is vLLM's method with CUDA); on import of hsx's KV conne
 (loaded in every engine process, should VLLM_PLUGINS leave the plugin out); at the start
 of the tokenizer processes, the HTTP workers and `hsx serve` itself.
 
-Not PR_SET_PDEATHSIG: it fires when the *thread* that created the child ends (hsx serve
-starts vLLM from a worker thread), names only the direct parent, and must run in the
-child before anything else; vLLM's own code creates these children.
+The watcher thread needs the GIL to kill its process, and a process computing in a long
+C call holds it: vLLM's worker went on computing for 10-15 s after `kill -9` of hsx serve
+on a loaded box. So a forked child also asks the kernel for SIGKILL when its parent ends
+(PR_SET_PDEATHSIG, no thread, no GIL): the worker dies the moment its engine core does,
+and the engine core, which waits on sockets most of the time, dies by its own watcher. The
+kernel's signal fires when the *thread* that forked the child ends, not the process, so
+it is asked only for children forked from their parent's main thread (hsx serve starts
+vLLM's engine core from a worker thread: that one keeps the watcher alone).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
+import sys
 import threading
 import time
 
@@ -106,5 +113,35 @@ def hold() -> None:
     threading.Thread(target=_watch, args=(int(pid_text), start), name="hsx-lifeline", daemon=True).start()
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Set in the parent just before each fork; the child reads its own copy.
+_fork_parent = 0
+_forked_from_main = False
+
+
+def _before_fork() -> None:
+    global _fork_parent, _forked_from_main
+    _fork_parent = os.getpid()
+    _forked_from_main = threading.current_thread() is threading.main_thread()
+
+
+def _die_with_parent() -> None:
+    """SIGKILL from the kernel when the parent (its forking thread: its main one) ends."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # no libc prctl here: the watcher alone
+        return
+    if os.getppid() != _fork_parent:  # the parent ended before the request took hold
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _after_fork_in_child() -> None:
+    if _forked_from_main and os.environ.get(ENV) and sys.platform.startswith("linux"):
+        _die_with_parent()
+    hold()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=hold)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)

@@ -14,7 +14,10 @@
          failed start does;
       4. SIGTERM / SIGINT: the drain. /ready and new requests answer 503 at once; requests
          in flight (tokenizing, queued or prefilling) and live leases get up to
-         --shutdown-timeout; what is still being prepared then is answered 503 (cut_off);
+         --shutdown-timeout; what is still in flight then ends at once: requests and
+         generations are answered 503 (cut_off), chunked lease streams end with a 503
+         record and leases end (HiddenStatesService.cut_off: a client that stopped
+         reading or releasing held the drain 5 s past the timeout);
          then the server stops and exits 0, the tokenizer processes and the engine with
          it. The process is gone within --shutdown-timeout + STOP_MARGIN seconds of the
          signal: a teardown still running then (an engine that no longer answers) is cut
@@ -287,7 +290,9 @@ class Lifecycle:
             await asyncio.sleep(DRAIN_POLL)
         if busy():
             log.warning("drain timeout: %d requests or leases cut off (answered 503)", busy())
-            st.cut_off.set()
+            st.cut_off.set()  # requests being prepared or prefilled, generations
+            if st.service is not None:  # chunked responses waiting on their client, and leases
+                st.service.cut_off()
             grace = time.monotonic() + CUT_OFF_GRACE  # for the 503s to be sent
             while st.gate.in_flight > 0 and time.monotonic() < grace:
                 await asyncio.sleep(DRAIN_POLL)

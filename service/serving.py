@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, LEASE_STREAM_MEDIA_TYPE, TensorSp
 from hsx_service.http.admission import AdmissionGate, Ticket
 from hsx_service.engine.arena import Reservation
 from hsx_service.engine.prefill import PrefillEngine
-from hsx_service.engine.window import ChunkFailed, ChunkLease, StreamWindow, WindowStates
+from hsx_service.engine.window import ChunkCut, ChunkFailed, ChunkLease, StreamWindow, WindowStates
 from hsx_service.http.errors import BadInput, NoSupervisedTokens, TooLarge
 from hsx_service.body.encode import encode_body
 from hsx_service.engine.lease import Leases
@@ -96,11 +97,23 @@ class HiddenStatesService:
             self.leases = Leases(settings.lease_timeout, on_end=lambda outcome: metrics.leases.labels(outcome).inc(),
                                  per_session=settings.lease_max_per_session,
                                  arena_bytes=prefill.allocator.size if prefill.allocator is not None else None)
+        # Chunked saves whose responses are still open: the drain's cut-off ends them (`cut_off`).
+        self._windows: weakref.WeakSet[StreamWindow] = weakref.WeakSet()
         gate.engine_dead = lambda: prefill.dead
         allocator = prefill.allocator
         metrics.engine_running.set_function(lambda: prefill.engine_running)
         metrics.leases_live.set_function(lambda: len(self.leases) if self.leases is not None else 0)
         metrics.arena_used.set_function(lambda: allocator.used if allocator is not None else 0)
+
+    def cut_off(self) -> None:
+        """The drain's --shutdown-timeout is over: every chunked response still open ends now
+        (its stream says 503: send the sample elsewhere) and every lease ends, so that a
+        client that stopped reading or releasing holds the stop no longer."""
+        for window in list(self._windows):
+            window.cut("the server shut down before this sample's chunks were sent (--shutdown-timeout); "
+                       "send it to another server")
+        if self.leases is not None:
+            self.leases.end_all()
 
     @property
     def busy(self) -> int:
@@ -225,6 +238,8 @@ class HiddenStatesService:
         ids = prep.encoded.token_ids
         ticket.admit(len(ids))
         reservation = self.prefill.reserve(len(ids), len(prep.layer_ids))
+        if isinstance(reservation, StreamWindow):
+            self._windows.add(reservation)
         started = time.perf_counter()
         try:
             timing = await self.prefill.extract(ids, prep.layer_index, reservation, request_id)
@@ -370,6 +385,8 @@ class HiddenStatesService:
                     stats.wire += len(line)
                 yield b'{"end": true}\n'
                 stats.complete = True
+            except ChunkCut as exc:
+                yield json.dumps({"error": str(exc), "status": exc.status}).encode() + b"\n"
             except ChunkFailed as exc:
                 error = ({"error": expired, "status": 410} if window.stopped == expired else
                          {"error": f"the engine did not deliver the hidden states ({exc})", "status": 502})

@@ -6,8 +6,10 @@ definition (the per-turn method): each assistant turn's character span runs from
 of the chat rendered up to that turn with the generation prompt to the end of the chat
 rendered through that turn (so the span holds the reply and its end-of-turn marker).
 When a template re-renders earlier turns differently (e.g. drops reasoning), the span
-falls back to the reply's content found in the full text. Tokens whose first character
-lies in a span are supervised.
+falls back to the reply's content found in the full text, followed by the template's
+end-of-turn marker (`end_of_turn`: what ends the last turn's span after its reply), so
+every turn's end-of-turn tokens are supervised alike. Tokens whose first character lies in
+a span are supervised.
 
 Rendering twice per turn is quadratic in the chat's length (4096 messages: ~40 s), so
 the spans come from a constant number of renderings (`_one_pass_spans`): the chat once
@@ -184,24 +186,54 @@ def assistant_spans(messages: list[dict[str, Any]], full: str, render) -> list[S
     assistants = sum(1 for m in messages if m.get("role") == "assistant")
     if assistants <= PER_TURN_LIMIT:
         return per_turn_spans(messages, full, render)
-    return _content_spans(messages, full)
+    return _content_spans(messages, full, end_of_turn(messages, full, render))
 
 
 def per_turn_spans(messages: list[dict[str, Any]], full: str, render) -> list[Span]:
     """The definition: two renderings per assistant turn (quadratic)."""
     spans: list[Span] = []
     cursor = 0
+    marker: str | None = None
     for i, msg in enumerate(messages):
         if msg.get("role") != "assistant":
             continue
         span = _turn_span(messages, i, full, render)
         if span is None:
-            span = _find_content(msg, full, cursor)
+            if marker is None:
+                marker = end_of_turn(messages, full, render)
+            span = _with_marker(_find_content(msg, full, cursor), full, marker)
             if span is None:
                 continue
         spans.append(span)
         cursor = span[1]
     return spans
+
+
+def end_of_turn(messages: list[dict[str, Any]], full: str, render) -> str:
+    """The text the template writes after an assistant reply to end its turn (`<|im_end|>\n`,
+    `<|eot_id|>`), as the per-turn method's span of the last assistant turn shows it; "" when
+    that span cannot be found. A turn whose own span the template hides (Qwen3 renders a
+    chat's last turn with a thinking block, earlier ones without, so a turn rendered as the
+    last is no prefix of the whole chat) is supervised as its reply found in the text plus
+    this marker: every turn ends supervised the same way, as in the template's `{% generation %}`
+    twin."""
+    turns = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if not turns:
+        return ""
+    last = _turn_span(messages, turns[-1], full, render)
+    if last is None:
+        return ""
+    reply = _find_content(messages[turns[-1]], full, last[0])
+    if reply is None or reply[1] > last[1]:
+        return ""
+    return full[reply[1]:last[1]]
+
+
+def _with_marker(span: Span | None, full: str, marker: str) -> Span | None:
+    """A reply's span with the end-of-turn marker that follows it (where it does)."""
+    if span is None or not marker or not full.startswith(marker, span[1]):
+        return span
+    return span[0], span[1] + len(marker)
 
 
 def _turn_span(messages, i: int, full: str, render) -> Span | None:
@@ -234,10 +266,11 @@ def _rendered_forms(content: str) -> list[str]:
     return forms
 
 
-def _content_spans(messages, full: str) -> list[Span]:
+def _content_spans(messages, full: str, marker: str = "") -> list[Span]:
     spans, cursor = [], 0
     for msg in messages:
         if msg.get("role") == "assistant" and (span := _find_content(msg, full, cursor)) is not None:
+            span = _with_marker(span, full, marker)
             spans.append(span)
             cursor = span[1]
     return spans

@@ -24,8 +24,10 @@ regenerated turn's prompt and generated token ids and its finish reason.
 exit codes (as hsx extract's):
   0    complete
   1    finished with failed conversations, or stopped on an error (rerun to resume)
-  2    refused before any work: usage, no usable input rows, settings differ from the
-       plan in OUTPUT.hsx-regen/, output locked, an endpoint that returns no token ids
+  2    refused before any work: usage, no usable input rows, sampling settings the
+       server refuses (one max_tokens 1 request with them is sent first), settings differ
+       from the plan in OUTPUT.hsx-regen/ once it holds a conversation, output locked, an
+       endpoint that returns no token ids
   130  interrupted (rerun the same command to resume)
 """
 
@@ -95,7 +97,10 @@ def summary_line(s: dict) -> str:
         text += (f"; {s['dropped_context_full']} dropped: no room in the model's context for their first reply "
                  f"(e.g. {', '.join(s['dropped_examples'])})")
     if s["failed"]:
-        text += f"; {s['failed']} failed {s['failed_by_reason']}"
+        examples = s.get("failed_example_by_reason", {})
+        text += f"; {s['failed']} failed (" + "; ".join(
+            f"{reason} {n}" + (f", e.g. {examples[reason]}" if reason in examples else "")
+            for reason, n in s["failed_by_reason"].items()) + ")"
     if s["bad_rows"]:
         text += f"; {s['bad_rows']} bad input rows {s['bad_rows_by_kind']}"
     return text + f"; this run {s['generated_tokens']} tokens at {s['generated_tokens_per_s']:.0f} tok/s"

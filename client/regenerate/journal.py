@@ -2,8 +2,9 @@
 
 Beside the output file PATH, the directory PATH.hsx-regen/ holds:
   .lock          one writer (DirLock; the kernel drops it with the process)
-  plan.json      the conversation keys and the settings the run was started with; a rerun
-                 with other settings is refused (what was generated would not match)
+  plan.json      the conversation keys and the settings the run was started with; once a
+                 conversation is journaled, a rerun with other settings is refused (what was
+                 generated would not match); before that, the rerun's settings replace them
   journal.jsonl  one line per finished conversation, appended and fsync'ed before the
                  next is counted done. A kill can only leave a torn last line, which a
                  rerun cuts off (that conversation is generated again).
@@ -51,21 +52,20 @@ class Journal:
         """Lock, check or write the plan, read what earlier runs finished."""
         self.lock.acquire("hsx regenerate")
         plan = {"version": PLAN_VERSION, **plan}
-        plan_file = self.dir / "plan.json"
-        if plan_file.exists():
-            old = json.loads(plan_file.read_text())
-            diff = sorted(k for k in set(old) | set(plan) if old.get(k) != plan.get(k))
-            if diff:
-                raise PlanMismatch(f"{self.output} was started with other settings ({', '.join(diff)} differ); "
-                                   f"use another --output, or remove {self.dir} and {self.output} to start over")
-        else:
-            store.write_json_atomic(plan_file, plan)
         path = self.dir / "journal.jsonl"
         self._cut_torn_tail(path)
         if path.exists():
             for line in path.read_bytes().splitlines():
                 entry = json.loads(line)
                 self.done[entry["key"]] = entry["row"]
+        plan_file = self.dir / "plan.json"
+        old = json.loads(plan_file.read_text()) if plan_file.exists() else None
+        diff = sorted(k for k in set(old or {}) | set(plan) if (old or {}).get(k) != plan.get(k))
+        if old is not None and diff and self.done:
+            raise PlanMismatch(f"{self.output} was started with other settings ({', '.join(diff)} differ); "
+                               f"use another --output, or remove {self.dir} and {self.output} to start over")
+        if old is None or diff:  # a run that journaled nothing binds no settings: the new ones replace it
+            store.write_json_atomic(plan_file, plan)
         self._fh = open(path, "ab")
 
     @staticmethod

@@ -3,7 +3,8 @@ pick, retries, health probes, auth), each finished one journaled, then the outpu
 
 Exit codes are `hsx extract`'s: 0 complete; 1 failed conversations (or stopped on an
 error: rerun to resume, finished ones are kept); 2 refused before any work (usage, no
-usable rows, plan mismatch, locked, an endpoint without token ids); 130 interrupted.
+usable rows, sampling settings the server refuses at the pre-flight, plan mismatch, locked,
+an endpoint without token ids); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -11,20 +12,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hsx import __version__ as hsx_version
 from hsx_client.api import HsxClient
 from hsx_client.settings import ClientSettings
-from hsx_client.errors import HsxError
+from hsx_client.errors import AuthenticationError, BadRequestError, HsxError
 from hsx_client.corpus.inputs import BadRow
 
 from .conversations import Conversation, read_conversations
 from .journal import Journal
 from .mix import describe
-from .turns import ContextFull, NoTokenIds, Sampling, regenerate
+from .turns import ContextFull, NoTokenIds, Sampling, regenerate, reply_of, request_body
 
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -79,6 +80,9 @@ async def run_regenerate(cfg: RegenConfig) -> RegenResult:
         reasons = Counter(b.kind for b in bad)
         return RegenResult(EXIT_REFUSED, {"error": f"no usable conversation in the inputs (bad rows: {dict(reasons)})",
                                           "bad_rows": len(bad)})
+    refusal = await preflight(cfg)
+    if refusal is not None:  # before any work: no plan written, nothing locked
+        return RegenResult(EXIT_REFUSED, {"error": refusal})
     journal = Journal(cfg.output)
     try:
         journal.open(plan_of(cfg, conversations))
@@ -91,11 +95,43 @@ async def run_regenerate(cfg: RegenConfig) -> RegenResult:
         journal.close()
 
 
+PREFLIGHT_CHAT = [{"role": "user", "content": "Hello"}]
+
+
+async def preflight(cfg: RegenConfig) -> str | None:
+    """One tiny generation (max_tokens 1) with each of the run's settings (its --mix
+    variants' too) before any work: the line that refuses the run when the server rejects
+    them (a 400/422: e.g. --seed on vLLM's CPU backend) or answers without token ids; None
+    when they pass, or when the server could not be asked (the run then fails as it would)."""
+    settings = [cfg.sampling] if not cfg.sampling.mix else [
+        cfg.sampling.for_variant(v) for v in cfg.sampling.mix]
+    client = HsxClient.from_settings(cfg.client, transport=cfg.transport)
+    async with client:
+        for sampling in settings:
+            body = request_body(PREFLIGHT_CHAT, None, replace(sampling, max_tokens=1),
+                                sampling.conversation_seed("preflight"), 0)
+            try:
+                answer = await client.chat_completion(body, request_id=None)
+                reply_of(answer)
+            except NoTokenIds as exc:
+                return str(exc)
+            except AuthenticationError as exc:
+                return f"the server refuses this run's API key: {exc.message}"
+            except BadRequestError as exc:
+                what = f" ({sampling.describe()})" if sampling.describe() else ""
+                return (f"the server refuses this run's sampling settings{what}: {exc.message}; "
+                        "nothing was generated or locked: rerun with other settings")
+            except HsxError:
+                return None
+    return None
+
+
 async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Journal,
                bad: list[BadRow]) -> RegenResult:
     todo = [c for c in conversations if c.key not in journal.done]
     failures: Counter[str] = Counter()
     errors: dict[str, str] = {}
+    examples: dict[str, str] = {}  # failure reason -> its first conversation's key and message
     stats = {"conversations": 0, "generated_tokens": 0, "turns": 0, "length_cut_turns": 0, "dropped": 0,
              "ended": Counter(), "variants": Counter()}
     refused: list[BaseException] = []
@@ -125,8 +161,10 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
                 stats["dropped"] += 1
                 return
             except HsxError as exc:
-                failures[exc.type or type(exc).__name__] += 1
+                reason = exc.type or type(exc).__name__
+                failures[reason] += 1
                 errors.setdefault(conv.key, str(exc))
+                examples.setdefault(reason, f"{conv.key}: {exc.message}")
                 return
             row: dict[str, Any] = {"messages": out.messages}
             if conv.tools:
@@ -197,6 +235,7 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
         "failed": sum(failures.values()),
         "failed_by_reason": dict(failures),
         "failed_examples": dict(list(errors.items())[:5]),
+        "failed_example_by_reason": examples,
         "bad_rows": len(bad),
         "bad_rows_by_kind": dict(Counter(b.kind for b in bad)),
         "elapsed_s": elapsed,

@@ -74,11 +74,23 @@ class Sampling:
         if not self.mix:
             return self, None
         variant = pick(self.mix, self.seed, key)
+        return self.for_variant(variant), variant
+
+    def for_variant(self, variant: Variant) -> "Sampling":
+        """These settings with a --mix variant's overrides."""
         o = dict(variant.overrides)
         kwargs = {**(self.chat_template_kwargs or {}), **(o.pop("chat_template_kwargs", None) or {})}
         if "reasoning_effort" in o:
             kwargs["reasoning_effort"] = o.pop("reasoning_effort")
-        return dataclasses.replace(self, **o, chat_template_kwargs=kwargs or None, mix=None), variant
+        return dataclasses.replace(self, **o, chat_template_kwargs=kwargs or None, mix=None)
+
+    def describe(self) -> str:
+        """The settings a request carries besides greedy defaults, as flags ("--seed 1 ...")."""
+        parts = [f"--temperature {self.temperature:g}" if self.temperature else "",
+                 f"--top-p {self.top_p:g}" if self.top_p != 1.0 else "",
+                 f"--seed {self.seed}" if self.seed is not None else "",
+                 f"--chat-template-kwargs {self.chat_template_kwargs}" if self.chat_template_kwargs else ""]
+        return " ".join(p for p in parts if p)
 
 
 @dataclass
@@ -132,7 +144,7 @@ async def regenerate(key: str, messages: list[dict[str, Any]], tools: list[dict]
         if i in points:
             recorded = messages[i] if i < len(messages) and messages[i]["role"] == "assistant" else None
             try:
-                answer = await complete(_request(out, tools, sampling, seed, len(result.turns)))
+                answer = await complete(request_body(out, tools, sampling, seed, len(result.turns)))
             except HsxError as exc:
                 if not _too_long(exc):
                     raise
@@ -143,7 +155,7 @@ async def regenerate(key: str, messages: list[dict[str, Any]], tools: list[dict]
                     out.pop()
                 result.ended = "context_full"
                 return result
-            msg, turn = _reply(answer)
+            msg, turn = reply_of(answer)
             follows_tools = i + 1 < len(messages) and messages[i + 1]["role"] == "tool"
             recorded_calls = (recorded or {}).get("tool_calls")
             if recorded_calls or follows_tools:
@@ -173,7 +185,7 @@ async def regenerate(key: str, messages: list[dict[str, Any]], tools: list[dict]
     return result
 
 
-def _request(history: list[dict[str, Any]], tools: list[dict] | None, sampling: Sampling, seed: int | None,
+def request_body(history: list[dict[str, Any]], tools: list[dict] | None, sampling: Sampling, seed: int | None,
              turn: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "messages": history,
@@ -192,7 +204,7 @@ def _request(history: list[dict[str, Any]], tools: list[dict] | None, sampling: 
     return body
 
 
-def _reply(answer: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def reply_of(answer: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     choice = answer["choices"][0]
     ids, prompt = choice.get("token_ids"), answer.get("prompt_token_ids")
     if not isinstance(ids, list) or not isinstance(prompt, list):

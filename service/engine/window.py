@@ -26,6 +26,14 @@ log = logging.getLogger("hsx.window")
 class ChunkFailed(Exception):
     """The worker ended the save before this chunk (an engine failure or a cancel)."""
 
+    status = 502
+
+
+class ChunkCut(ChunkFailed):
+    """The server stopped waiting for this save's chunks (the drain's --shutdown-timeout)."""
+
+    status = 503
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -58,6 +66,7 @@ class StreamWindow:
         self._on_give_up = on_give_up  # told the key when no end notice came in time
         self.stopped: str | None = None  # why no more chunks are handed out (`stop`)
         self._on_free: list[Callable[[], None]] = []
+        self._cut: str | None = None  # why the drain stopped waiting (`cut`)
 
     @property
     def extent(self) -> Extent:
@@ -99,7 +108,7 @@ class StreamWindow:
             self._changed.clear()
             await self._changed.wait()
         if self.stopped is not None:
-            raise ChunkFailed(self.stopped)
+            raise (ChunkCut if self._cut is not None else ChunkFailed)(self.stopped)
         slot = self._landed.pop(index)
         self._out[index] = slot
         self._next += 1
@@ -117,10 +126,17 @@ class StreamWindow:
         self._maybe_free()
 
     async def all_back(self) -> None:
-        """Wait until every chunk handed out is given back (sent, or its lease ended)."""
-        while self._out:
+        """Wait until every chunk handed out is given back (sent, or its lease ended), or
+        the window is cut."""
+        while self._out and self._cut is None:
             self._changed.clear()
             await self._changed.wait()
+
+    def cut(self, reason: str) -> None:
+        """The drain's cut-off: `stop`, with `next_chunk` raising ChunkCut (a 503 record)."""
+        if self.stopped is None:
+            self._cut = reason
+        self.stop(reason)
 
     @property
     def complete(self) -> bool:

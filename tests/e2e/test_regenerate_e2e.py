@@ -189,4 +189,19 @@ def test_mix_assigns_each_conversation_its_variant_and_sends_its_settings(server
 
     bad = json.dumps([{"name": "bad", "chat_template_kwargs": {"tokenize": True}}])
     rc, summary, _ = run_regen(regen_argv(servers[:1], chats[:1], tmp_path / "bad.jsonl", "--mix", bad))
-    assert rc == 1 and summary["regenerated"] == 0 and summary["failed"] == summary["planned"]
+    assert rc == 2 and "refuses this run's sampling settings" in summary["error"], summary  # by the pre-flight
+
+
+def test_the_readme_s_seeded_command_is_refused_by_the_pre_flight_on_cpu(servers, chats, tmp_path):
+    """Issue 36.7: `--seed 1 --temperature 0.6` against a CPU server had every request
+    refused, exit 1, an empty output and the refused settings locked into the plan. Now: one
+    line before any work, exit 2, and the same --output takes other settings."""
+    out = tmp_path / "seeded.jsonl"
+    argv = [a for a in regen_argv(servers[:1], chats[:1], out, "--temperature", "0.6", "--seed", "1") if a != "--json"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=cli_env())
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert "seed is not available on vLLM's CPU backend" in lines[0] and "--seed 1" in lines[0], lines
+    assert not out.exists()
+    rc, summary, err = run_regen(regen_argv(servers[:1], chats[:1], out, "--temperature", "0.6"))
+    assert rc == 0 and summary["in_output"]["rows"] == summary["planned"], err[-3000:]

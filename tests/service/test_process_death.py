@@ -28,6 +28,7 @@ from _server import ServerProcess, engine_core, engine_env, eventually, metrics_
 from conftest import need_vllm
 
 GONE_WITHIN = 10.0  # seconds for every descendant to go after its server was killed
+ENGINE_GONE_WITHIN = 2.0  # seconds for vLLM's engine core and workers to go, computing or not
 
 
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
@@ -98,6 +99,56 @@ def test_a_lifeline_takes_forked_grandchildren_and_execed_children(tmp_path):
             p.kill()
 
 
+GIL_HOLDING_OWNER = textwrap.dedent("""
+    import multiprocessing, os, re, sys, threading, time
+    from hsx import lifeline
+
+    def computes_holding_the_gil():  # as vLLM's worker in a long C call: no thread of it runs Python
+        re.match(r"(a|aa)+$", "a" * 64 + "b")  # exponential, never returns
+        os._exit(0)
+
+    def engine_core(queue):  # forks its worker from its main thread, then waits on sockets
+        worker = multiprocessing.get_context("fork").Process(target=computes_holding_the_gil)
+        worker.start()
+        queue.put(worker.pid)
+        time.sleep(120)
+
+    if __name__ == "__main__":
+        lifeline.mark_owner()
+        queue = multiprocessing.get_context("fork").SimpleQueue()
+        core = multiprocessing.get_context("fork").Process(target=engine_core, args=(queue,))
+        # as hsx serve starts vLLM: from a worker thread, which rules out the kernel's signal for it
+        starter = threading.Thread(target=core.start)
+        starter.start()
+        starter.join()
+        print(core.pid, queue.get(), flush=True)
+        time.sleep(120)
+""")
+
+
+def test_a_child_computing_with_the_gil_held_dies_with_its_owner_within_2_s(tmp_path):
+    """Issue 36.6: after `kill -9` of hsx serve, vLLM's worker computed for 10-15 s more
+    (its lifeline watcher is a Python thread, which cannot run while a C call holds the
+    GIL). A worker forked from the engine core's main thread now has the kernel's
+    parent-death signal: it goes the moment the engine core does."""
+    script = tmp_path / "owner.py"
+    script.write_text(GIL_HOLDING_OWNER)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    children: list[psutil.Process] = []
+    try:
+        children = [psutil.Process(int(pid)) for pid in owner.stdout.readline().split()]
+        worker = children[1]
+        wait_until(lambda: worker.cpu_times().user > 0.3, 10, "the worker computing")
+        owner.kill()
+        owner.wait(10)
+        t0 = time.monotonic()
+        wait_until(lambda: not _alive(children), 10, f"{_describe(_alive(children))} gone with their owner")
+        assert time.monotonic() - t0 < 2.0, f"gone {time.monotonic() - t0:.1f} s after the owner"
+    finally:
+        for p in _alive(children):
+            p.kill()
+
+
 # ------------------------------------------------------------------------------ SIGKILL of hsx serve
 
 @pytest.mark.engine
@@ -112,13 +163,25 @@ async def test_sigkill_of_serve_takes_every_descendant(tiny_model, log_dir):
         async with httpx.AsyncClient(timeout=60) as client:
             r = await client.post(server.url + "/hidden_states", json={"prompt": "hello"})  # tokenizer processes busy
             assert r.status_code == 200, r.text
-        descendants = psutil.Process(server.proc.pid).children(recursive=True)
-        names = " ".join(" ".join(p.cmdline()) + " " + p.name() for p in descendants)
-        assert "EngineCore" in names and names.count("hsx_service.http.http_worker") == 2, _describe(descendants)
-        assert len(descendants) >= 5, _describe(descendants)  # engine core, 2 workers, tokenizer pool
-        server.proc.kill()
+            descendants = psutil.Process(server.proc.pid).children(recursive=True)
+            names = " ".join(" ".join(p.cmdline()) + " " + p.name() for p in descendants)
+            assert "EngineCore" in names and names.count("hsx_service.http.http_worker") == 2, _describe(descendants)
+            assert len(descendants) >= 5, _describe(descendants)  # engine core, 2 workers, tokenizer pool
+            engine = [p for p in descendants if "VLLM" in p.name() or "EngineCore" in p.name()]
+            # killed while the engine computes (issue 36.6: its worker went on for 10-15 s)
+            busy = [asyncio.ensure_future(client.post(server.url + "/hidden_states",
+                                                      json={"input_ids": [1] + [7 + i] * 250}))
+                    for i in range(8)]
+            await asyncio.sleep(0.5)
+            server.proc.kill()
+            t0 = time.monotonic()
+            await asyncio.gather(*busy, return_exceptions=True)
         server.proc.wait(10)
-        deadline = time.monotonic() + GONE_WITHIN
+        while _alive(engine) and time.monotonic() - t0 < ENGINE_GONE_WITHIN:
+            time.sleep(0.05)
+        left = _alive(engine)
+        assert not left, f"engine processes running {ENGINE_GONE_WITHIN:.0f} s after the kill: {_describe(left)}"
+        deadline = t0 + GONE_WITHIN
         while _alive(descendants) and time.monotonic() < deadline:
             time.sleep(0.2)
         left = _alive(descendants)

@@ -20,7 +20,7 @@ from hsx_service.body.compress import CompressPool, stream_bf16split
 from hsx_service.body.response import Body, Stats, stream_identity, stream_zstd
 from hsx_service.engine.arena import Allocator, SharedArena
 from hsx_service.engine.chunks import ChunkedSave, ChunkPlan, CreditBook, plan_slots
-from hsx_service.engine.window import ChunkFailed, ChunkLease, StreamWindow, WindowStates
+from hsx_service.engine.window import ChunkCut, ChunkFailed, ChunkLease, StreamWindow, WindowStates
 
 L, H, BLOCK = 2, 8, 4
 TOKEN_BYTES = L * H * 4
@@ -229,6 +229,33 @@ def test_window_failure_reaches_the_reader():
         with pytest.raises(ChunkFailed, match="engine died"):
             await w.first()
         w.close()
+        assert alloc.used == 0
+
+    asyncio.run(main())
+
+
+def test_a_cut_window_stops_its_waiting_reader_and_still_frees_only_after_the_end():
+    """Issue 36.6: a chunked response whose client stopped releasing waited for its next
+    chunk through the drain's cut-off (the drain took 15 s at --shutdown-timeout 10). The
+    cut wakes the reader at once; the range is still freed only once the worker ended."""
+    async def main():
+        alloc, w, credits = _window()
+        w.on_notice({"key": "k", "ok": True, "chunk": 0, "slot": 0})
+        w.on_notice({"key": "k", "ok": True, "chunk": 1, "slot": 1})
+        await w.next_chunk()
+        await w.next_chunk()  # both slots out: chunk 2 cannot land until one comes back
+        waiting = asyncio.ensure_future(w.next_chunk())
+        holder = asyncio.ensure_future(w.all_back())
+        await asyncio.sleep(0)
+        w.cut("shut down")
+        with pytest.raises(ChunkCut, match="shut down"):
+            await asyncio.wait_for(waiting, 1)
+        await asyncio.wait_for(holder, 1)
+        w.close()
+        assert credits.sent == [("cancel",)] and alloc.used > 0  # the worker may still write
+        w.on_notice({"key": "k", "ok": False, "error": "cancelled", "end": True})
+        w.give_back(0)
+        w.give_back(1)
         assert alloc.used == 0
 
     asyncio.run(main())

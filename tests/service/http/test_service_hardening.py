@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -228,6 +230,75 @@ async def test_sigterm_drains_in_flight_refuses_new_and_exits_zero(tiny_model, l
         assert [r.status_code for r in done] == [200] * 12
         assert [decode(r.content).token_ids.tolist() for r in done] == prompts
         assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+
+
+async def _stall_a_chunked_lease_stream(client, url: str, session: str, ids: list[int]) -> asyncio.Future:
+    """A same-host client that takes a chunked answer's first chunk leases and then neither
+    reads further nor releases any: the window's slots stay out, its request in flight.
+    Returns the future of when (seconds, monotonic) its response ended, and how."""
+    from hsx.protocol.lease import SESSION_HEADER
+    from hsx.wire import LEASE_MEDIA_TYPE, LeaseStreamReader
+
+    started = asyncio.get_running_loop().create_future()
+
+    async def run():
+        reader, records = LeaseStreamReader(), []
+        try:
+            async with client.stream("POST", url + "/hidden_states", json={"input_ids": ids},
+                                     headers={"Accept": LEASE_MEDIA_TYPE, SESSION_HEADER: session}) as r:
+                assert r.status_code == 200, await r.aread()
+                async for data in r.aiter_raw():
+                    records += reader.feed(data)
+                    if records and not started.done():
+                        started.set_result(None)
+        except httpx.HTTPError:
+            records.append({"error": "closed"})
+        return time.monotonic(), records
+
+    task = asyncio.ensure_future(run())
+    await asyncio.wait([started, task], return_when=asyncio.FIRST_COMPLETED)
+    return task
+
+
+@pytest.mark.slow
+async def test_the_drain_cuts_stalled_chunk_streams_and_generations_at_the_timeout(log_dir):
+    """Issue 36.6: at --shutdown-timeout 10 with 10 stalled chunk-lease streams and 20
+    generations in flight the drain took 15 s (the streams held it through the cut-off's
+    grace and uvicorn's own), the process gone at 19.1 s. In-flight work now ends at the
+    timeout (the streams with a 503 record), and the whole stop fits --shutdown-timeout +
+    STOP_MARGIN."""
+    from hsx.protocol.lease import attach
+    from hsx_service.lifecycle import STOP_MARGIN
+    from _server import STORIES, TEMPLATES
+
+    need_vllm()
+    timeout = 4  # an int: vLLM 0.32 defines --shutdown-timeout itself, as an int
+    server = ServerProcess(str(STORIES), "--dtype", "float32", "--chat-template", str(TEMPLATES / "llama3.jinja"),
+                           "--stream-window-bytes", str(64 << 10), "--lease-timeout", "120",
+                           "--shutdown-timeout", str(timeout), log_dir=log_dir, name="drain-cut").wait_ready()
+    try:
+        async with httpx.AsyncClient(timeout=120) as client:
+            arena = attach((await client.get(server.url + "/info")).json()["shm_lease"], None)
+            streams = [await _stall_a_chunked_lease_stream(client, server.url, arena.session,
+                                                           [1] + [7 + i] * 450) for i in range(4)]
+            generations = [asyncio.ensure_future(client.post(server.url + "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": f"Tell a story {i}"}], "max_tokens": 400}))
+                for i in range(8)]
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            server.signal(signal.SIGTERM)
+            ended = await asyncio.gather(*streams)
+            code = await asyncio.to_thread(server.proc.wait, timeout + STOP_MARGIN + 60)
+            gone = time.monotonic() - t0
+            answers = await asyncio.gather(*generations, return_exceptions=True)
+            arena.close()
+        for at, records in ended:
+            assert at - t0 < timeout + 1.5, f"a stalled stream ended {at - t0:.1f} s after SIGTERM"
+            assert records[-1].get("status") == 503 and "--shutdown-timeout" in records[-1]["error"], records[-1]
+        assert all(isinstance(a, httpx.HTTPError) or a.status_code in (200, 503) for a in answers), answers
+        assert code == 0 and gone <= timeout + STOP_MARGIN, (code, f"gone {gone:.1f} s after SIGTERM")
     finally:
         server.stop()
 
