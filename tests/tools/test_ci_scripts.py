@@ -23,12 +23,17 @@ def test_scripts_are_valid_shell(script):
         assert r.returncode == 0, r.stdout
 
 
-def test_ci_runs_the_fast_tier_first_then_the_wheel_then_the_readme_s_command():
+def test_ci_runs_the_fast_tier_beside_the_wheel_check_then_the_readme_s_command():
     run = (REPO / ".ci" / "run").read_text()
-    stages = [ln for ln in run.splitlines() if ln.startswith("stage ")]
-    fast, wheel, rest = (next(i for i, ln in enumerate(stages) if s in ln)
-                         for s in ('"not engine and not slow"', "scripts/wheel_check.sh", '"engine or slow"'))
-    assert fast < wheel < rest
+    lines = run.splitlines()
+    stages = [ln for ln in lines if ln.startswith("stage ")]
+    # The wheel check starts (in the background) before the fast tier and is waited for before
+    # the engine tiers; a failing fast tier stops the run (set -e) and the check with it (trap).
+    start_wheel, fast, wait_wheel, rest = (next(i for i, ln in enumerate(lines) if s in ln and not ln.startswith("#"))
+                                           for s in ("bash scripts/wheel_check.sh", '"not engine and not slow"',
+                                                     "stage \"wheel check", '"engine or slow"'))
+    assert start_wheel < fast < wait_wheel < rest
+    assert "set -euo pipefail" in run and "kill $wheel_job" in run
     assert "bash scripts/test.sh" in (REPO / "README.md").read_text()
     assert sum("bash scripts/test.sh" in ln for ln in stages) == 2
     assert "HSX_VENV=" in run and "HSX_COMPAT_VENVS=" in run  # reused between clones, stamped by what they install
