@@ -10,6 +10,7 @@ import torch
 
 from hsx.wire import Decoded
 from hsx_client.corpus import store
+from hsx_client.sample_stream import SampleHead, StatesChunk
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 LAYER_IDS = [1, 2, 3, 5]  # stories260K-like: N = 5 layers
@@ -79,3 +80,25 @@ def specforge_batches(path: Path, max_len: int, run_id: str = "t") -> list[tuple
     )
     files = {r.sample_id: r.feature_store_uri[len("file://"):] for r in refs}
     return [(files[b.sample_ids[0]], b.tensors) for b in loader]
+
+
+class DecodedStream:
+    """A lease-shaped SampleStream over a whole response, `rows` tokens a chunk, read-only
+    views (a lease's shared memory is never written); `fail_at`: that chunk's turn raises."""
+
+    def __init__(self, d: Decoded, rows: int = 5, fail_at: int | None = None):
+        self.d, self.rows, self.fail_at = d, rows, fail_at
+
+    async def head(self):
+        hs = self.d.hidden_states
+        return SampleHead(self.d.token_ids, self.d.loss_mask, self.d.metadata, hs.dtype, tuple(hs.shape))
+
+    async def chunks(self):
+        hs = self.d.hidden_states
+        raw = memoryview(hs.contiguous().view(torch.uint8).numpy().tobytes())
+        row = raw.nbytes // hs.shape[0]
+        for k, start in enumerate(range(0, hs.shape[0], self.rows)):
+            if k == self.fail_at:
+                raise ConnectionError("cut")
+            stop = min(hs.shape[0], start + self.rows)
+            yield StatesChunk(start, stop, raw[start * row:stop * row].toreadonly())

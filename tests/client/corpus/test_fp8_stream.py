@@ -21,8 +21,8 @@ from hsx_client.corpus import store
 from hsx_client.corpus.formats import CorpusContext, CorpusFormatError, get_format
 from hsx_client.corpus.formats import speculators_variants
 from hsx_client.corpus.stream_write import store_stream
-from hsx_client.sample_stream import BodyParser, SampleHead, StatesChunk
-from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, make_decoded, store_files
+from hsx_client.sample_stream import BodyParser
+from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, DecodedStream, make_decoded, store_files
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -30,28 +30,6 @@ REPO = Path(__file__).resolve().parents[3]
 def ctx_of(dtype: str = "bfloat16") -> CorpusContext:
     return CorpusContext(layer_ids=list(LAYER_IDS), hidden_size=HIDDEN, dtype=dtype, final_norm=None,
                          draft_vocab_size=None, vocab_size=VOCAB)
-
-
-class DecodedStream:
-    """A lease-shaped SampleStream over a whole response, `rows` tokens a chunk, read-only
-    views (a lease's shared memory is never written); `fail_at`: that chunk's turn raises."""
-
-    def __init__(self, d: wire.Decoded, rows: int = 5, fail_at: int | None = None):
-        self.d, self.rows, self.fail_at = d, rows, fail_at
-
-    async def head(self):
-        hs = self.d.hidden_states
-        return SampleHead(self.d.token_ids, self.d.loss_mask, self.d.metadata, hs.dtype, tuple(hs.shape))
-
-    async def chunks(self):
-        hs = self.d.hidden_states
-        raw = memoryview(hs.contiguous().view(torch.uint8).numpy().tobytes())
-        row = raw.nbytes // hs.shape[0]
-        for k, start in enumerate(range(0, hs.shape[0], self.rows)):
-            if k == self.fail_at:
-                raise ConnectionError("cut")
-            stop = min(hs.shape[0], start + self.rows)
-            yield StatesChunk(start, stop, raw[start * row:stop * row].toreadonly())
 
 
 class BodyStream:

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from hsx import wire
 from hsx_client.corpus import store
 from hsx_client.corpus.formats import CorpusContext, get_format
 from hsx_client.corpus.formats.specforge import SpecForgeFormat
@@ -23,7 +22,7 @@ from hsx_client.corpus.stream_write import store_stream
 from hsx_client.corpus.torch_zip import ALIGN, StorageRef, TensorRef, TorchZipWriter, pickle_object
 from hsx_client.postnorm import FinalNorm
 from hsx_client.sample_stream import SampleHead, StatesChunk, StatesLayout
-from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, make_decoded, specforge_batches, store_files
+from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, DecodedStream, make_decoded, specforge_batches, store_files
 
 KEYS = ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state")
 
@@ -32,29 +31,6 @@ def ctx_of(dtype: str = "bfloat16", hidden: int = HIDDEN) -> CorpusContext:
     w = np.linspace(0.5, 1.5, hidden, dtype=np.float32)
     return CorpusContext(layer_ids=list(LAYER_IDS), hidden_size=hidden, dtype=dtype,
                          final_norm=FinalNorm(weight=w, eps=1e-5), draft_vocab_size=None, vocab_size=VOCAB)
-
-
-class DecodedStream:
-    """A SampleStream over a whole response, in chunks of `rows` tokens (a lease stream's
-    shape: its head known at once); `fail_at`: the chunk whose turn raises, as a cut does.
-    Chunks are read-only views: a lease's shared memory must never be written."""
-
-    def __init__(self, d: wire.Decoded, rows: int = 5, fail_at: int | None = None):
-        self.d, self.rows, self.fail_at = d, rows, fail_at
-
-    async def head(self):
-        hs = self.d.hidden_states
-        return SampleHead(self.d.token_ids, self.d.loss_mask, self.d.metadata, hs.dtype, tuple(hs.shape))
-
-    async def chunks(self):
-        hs = self.d.hidden_states
-        raw = memoryview(hs.contiguous().view(torch.uint8).numpy().tobytes())
-        row = raw.nbytes // hs.shape[0]
-        for k, start in enumerate(range(0, hs.shape[0], self.rows)):
-            if k == self.fail_at:
-                raise ConnectionError("cut")
-            stop = min(hs.shape[0], start + self.rows)
-            yield StatesChunk(start, stop, raw[start * row:stop * row].toreadonly())
 
 
 async def blocking(fn, *args):
