@@ -17,7 +17,7 @@ import sys
 
 from pydantic import ValidationError
 
-from hsx_service.http.errors import StartupError
+from hsx_service.core.errors import StartupError
 from hsx_service.settings import FLAG_NAMES, ServiceSettings, env_name, refusal_line
 
 

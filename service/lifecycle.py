@@ -51,10 +51,10 @@ from hsx_service.http.state import AppState
 from hsx_service.http.connections import protocol_for
 from hsx_service.engine.prefill import PrefillEngine
 from hsx_service.engine import vllm_compat
-from hsx_service.http.errors import StartupError
+from hsx_service.core.errors import StartupError
 from hsx_service.http.http_workers import HttpWorkers, Listener, resolve_count
 from hsx_service.engine.lease import ArenaSocket
-from hsx_service.http.metrics import sample_loop_lag
+from hsx_service.core.metrics import sample_loop_lag
 from hsx_service.engine.norm import load_final_norm
 from hsx_service.http.routes_generation import Generator
 from hsx_service.serving import HiddenStatesService

@@ -23,15 +23,15 @@ from hsx import __version__ as hsx_version
 from hsx.dtypes import st_code
 from hsx.protocol.lease import SendReport
 from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, LEASE_STREAM_MEDIA_TYPE, TensorSpec, encode_header
-from hsx_service.http.admission import AdmissionGate, Ticket
+from hsx_service.core.admission import AdmissionGate, Ticket
 from hsx_service.engine.arena import Reservation
 from hsx_service.engine.prefill import PrefillEngine
 from hsx_service.engine.window import ChunkCut, ChunkFailed, ChunkLease, StreamWindow, WindowStates
-from hsx_service.http.errors import BadInput, NoSupervisedTokens, TooLarge
+from hsx_service.core.errors import BadInput, NoSupervisedTokens, TooLarge
 from hsx_service.body.encode import encode_body
 from hsx_service.engine.lease import Leases
-from hsx_service.http.metrics import Metrics
-from hsx_service.http.schema import HiddenStatesRequest
+from hsx_service.core.metrics import Metrics
+from hsx_service.core.schema import HiddenStatesRequest
 from hsx_service.body.compress import CompressPool, default_threads
 from hsx_service.body.response import Body, Stats, stream_identity
 from hsx_service.settings import ServiceSettings
@@ -386,7 +386,7 @@ class HiddenStatesService:
                 yield b'{"end": true}\n'
                 stats.complete = True
             except ChunkCut as exc:
-                yield json.dumps({"error": str(exc), "status": exc.status}).encode() + b"\n"
+                yield json.dumps({"error": str(exc), "status": 503}).encode() + b"\n"  # send it elsewhere
             except ChunkFailed as exc:
                 error = ({"error": expired, "status": 410} if window.stopped == expired else
                          {"error": f"the engine did not deliver the hidden states ({exc})", "status": 502})

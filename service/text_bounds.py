@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hsx_service.http.errors import TooLarge
+from hsx_service.core.errors import TooLarge
 
 TEXT_BYTES_PER_TOKEN = 64  # more than any tokenizer's text per token: a generous bound
 MIN_TEXT_BYTES = 4 << 20

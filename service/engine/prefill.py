@@ -25,7 +25,7 @@ from hsx_service.engine.engine_stats import EngineStats
 from hsx_service.engine import vllm_compat
 from hsx_service.engine.notices import Notices
 from hsx_service.engine.window import ChunkFailed, StreamWindow
-from hsx_service.http.errors import (BadInput, EngineFailure, EngineTimeout, Overloaded, ServiceError, StartupError,
+from hsx_service.core.errors import (BadInput, EngineFailure, EngineTimeout, Overloaded, ServiceError, StartupError,
                                     TooLarge)
 from hsx_service.settings import ServiceSettings
 
@@ -52,7 +52,7 @@ def engine_error(exc: BaseException, timeout: float) -> ServiceError | None:
         return BadInput(f"vLLM refused the input: {exc}")
     if isinstance(exc, asyncio.TimeoutError):
         return EngineTimeout(f"the engine did not finish within {timeout:.0f}s")
-    if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
+    if isinstance(exc, vllm_compat.engine_failures()):
         return EngineFailure("the engine failed while serving this request")
     return None
 

@@ -26,8 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 from hsx_service.engine import vllm_compat
 from hsx_service.engine.prefill import engine_error
 from hsx_service.http.disconnect import race_client
-from hsx_service.http.errors import BadInput, Draining, EngineFailure, NotAvailable, NotReady, StartupError
-from hsx_service.http.schema import ChatMessage, ErrorResponse, check_template_kwargs
+from hsx_service.core.errors import BadInput, Draining, EngineFailure, NotAvailable, NotReady, StartupError
+from hsx_service.core.schema import ChatMessage, check_template_kwargs
+from hsx_service.http.schema import ErrorResponse
 from hsx_service.text_bounds import check_text_bytes, is_long
 
 ROUTE = "/v1/chat/completions"

@@ -12,10 +12,11 @@ from hsx.protocol.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, Sen
 from hsx.wire import LEASE_MEDIA_TYPE, MEDIA_TYPE
 from hsx_service.body.negotiate import accepts_media, choose_coding
 from hsx_service.engine.lease import LeaseTerms
-from hsx_service.http.admission import DRAIN_RETRY_AFTER
+from hsx_service.core.admission import DRAIN_RETRY_AFTER
 from hsx_service.http.disconnect import race_client
-from hsx_service.http.errors import Draining, LeaseGone, NotAvailable
-from hsx_service.http.schema import ErrorResponse, HiddenStatesRequest
+from hsx_service.core.errors import Draining, LeaseGone, NotAvailable
+from hsx_service.core.schema import HiddenStatesRequest
+from hsx_service.http.schema import ErrorResponse
 from hsx_service.http.state import BAD_INPUT, ERRORS, AppState, request_key, serving, state
 
 router = APIRouter()

@@ -23,9 +23,9 @@ from hsx_service.http.app import create_app
 from hsx_service.http.state import AppState
 from hsx_service.engine.arena import Allocator, SharedArena
 from hsx_service.engine.config import ModelFacts
-from hsx_service.http.errors import EngineFailure
+from hsx_service.core.errors import EngineFailure
 from hsx_service.http.guard import PUBLIC_PATHS
-from hsx_service.http.metrics import Metrics, sample_loop_lag
+from hsx_service.core.metrics import Metrics, sample_loop_lag
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 

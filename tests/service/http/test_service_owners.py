@@ -104,12 +104,13 @@ def test_engine_errors_have_one_answer_for_prefill_and_generation():
     import asyncio
 
     from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.exceptions import EngineDeadError
 
     from hsx_service.engine.prefill import engine_error
-    from hsx_service.http.errors import BadInput, EngineFailure, EngineTimeout
+    from hsx_service.core.errors import BadInput, EngineFailure, EngineTimeout
 
     assert isinstance(engine_error(VLLMValidationError("stop cannot contain an empty string."), 30), BadInput)
     assert isinstance(engine_error(ValueError("prompt too long"), 30), BadInput)
     assert isinstance(engine_error(asyncio.TimeoutError(), 30), EngineTimeout)
-    assert isinstance(engine_error(type("EngineDeadError", (Exception,), {})(), 30), EngineFailure)
+    assert isinstance(engine_error(EngineDeadError(), 30), EngineFailure)
     assert engine_error(KeyError("x"), 30) is None
