@@ -35,7 +35,7 @@ from hsx_service.core.schema import HiddenStatesRequest
 from hsx_service.body.compress import CompressPool, default_threads
 from hsx_service.body.response import Body, Stats, stream_identity
 from hsx_service.settings import ServiceSettings
-from hsx_service.text_bounds import check_text_bytes, default_max_text_bytes, is_long
+from hsx_service.text_bounds import check_message_count, check_text_bytes, default_max_text_bytes, is_long
 from hsx_service.tokenize import Encoded
 from hsx_service.tokenize_pool import TokenizerPool
 
@@ -139,9 +139,7 @@ class HiddenStatesService:
             raise BadInput("this server does not run request-supplied chat templates (a template is code); "
                            "leave chat_template out to use the server's, or start it with "
                            "--trust-request-chat-template")
-        if req.messages is not None and len(req.messages) > self.settings.max_messages:
-            raise TooLarge(f"{len(req.messages)} messages; this server takes at most {self.settings.max_messages} "
-                           "(--max-messages)")
+        check_message_count(req.messages, self.settings.max_messages)
         return check_text_bytes(req, self.max_text_bytes)
 
     async def _encode(self, req: HiddenStatesRequest, client: str = "") -> Encoded:

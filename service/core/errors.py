@@ -64,6 +64,12 @@ class NotFound(ServiceError):
     type = "not_found"
 
 
+class ClientGone(ServiceError):
+    """The client left (or its HTTP worker aborted the request) before the answer: nobody reads it."""
+
+    type = "client_closed_request"
+
+
 class Overloaded(ServiceError):  # full: reason inflight, tokens or memory
     type = "overloaded"
 

@@ -14,9 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hsx_service.core.errors import (BadInput, BodyTimeout, Draining, EngineFailure, EngineTimeout, HeadersTooLarge,
-                                    LeaseGone, NoSupervisedTokens, NotAvailable, NotFound, NotReady, Overloaded,
-                                    ServiceError, TooLarge, Unauthorized, UnsupportedMedia)
+from hsx_service.core.errors import (BadInput, BodyTimeout, ClientGone, Draining, EngineFailure, EngineTimeout,
+                                    HeadersTooLarge, LeaseGone, NoSupervisedTokens, NotAvailable, NotFound, NotReady,
+                                    Overloaded, ServiceError, TooLarge, Unauthorized, UnsupportedMedia)
 from hsx_service.core.metrics import Metrics
 
 log = logging.getLogger("hsx.errors")
@@ -29,6 +29,7 @@ STATUS: dict[type[ServiceError], int] = {
     BadInput: 400,
     Unauthorized: 401,
     NotFound: 404,
+    ClientGone: 499,  # nginx's "client closed request": counted, never read
     LeaseGone: 410,
     BodyTimeout: 408,
     TooLarge: 413,
