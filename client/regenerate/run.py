@@ -18,10 +18,8 @@ from typing import Any
 
 from hsx.exit_codes import ExitCode
 from hsx import __version__ as hsx_version
-from hsx_client.api import HsxClient
-from hsx_client.settings import ClientSettings
-from hsx_client.errors import AuthenticationError, BadRequestError, HsxError
-from hsx_client.corpus.inputs import BadRow
+from hsx_client import AuthenticationError, BadRequestError, ClientSettings, HsxClient, HsxError
+from hsx_client.corpus.rows import BadRow
 
 from .conversations import Conversation, read_conversations
 from .journal import Journal
@@ -266,7 +264,7 @@ async def _server_info(client: HsxClient) -> dict[str, Any]:
     except HsxError:
         pass
     try:
-        models = await client._pool.with_retries(lambda s, rid: client._get_json(s, "/v1/models", rid), None)
+        models = await client.models()
         return {"model": (models.get("data") or [{}])[0].get("id")}
     except HsxError:
         return {}
