@@ -18,7 +18,7 @@ from typing import Any, Literal
 import jinja2
 from jinja2 import nodes
 
-from hsx_service.http.errors import BadInput
+from hsx_service.core.errors import BadInput
 
 ContentFormat = Literal["string", "parts"]
 TEXT_PART_TYPES = ("text", "input_text")  # the Chat Completions and the Responses API names

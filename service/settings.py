@@ -63,7 +63,7 @@ class ServiceSettings(BaseSettings):
     max_tokens_per_request: int | None = Field(
         None, ge=1, description="Largest prompt in tokens (413 beyond; default max_model_len - 1)"
     )
-    max_messages: int = Field(4096, ge=1, description="Most chat messages in one request")
+    max_messages: int = Field(4096, ge=1, description="Most chat messages in one request (413 beyond)")
     arena_bytes: int = Field(
         4 * GiB, ge=MiB, description="Shared-memory arena for states not yet sent (bounds unsent bytes)"
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from hsx.exit_codes import ExitCode
 from hsx.sizes import parse_bytes
 from hsx_client.settings import COMPRESSIONS, DEFAULTS, TRANSFERS, ClientSettings, default_workers
 
@@ -154,7 +155,7 @@ def _env_settings() -> ClientSettings:
         err = exc.errors()[0]
         name = "HSX_" + str(err["loc"][0]).upper() if err.get("loc") else "HSX_*"
         print(f"hsx extract: {name}={err.get('input')!r}: {err['msg']}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(ExitCode.REFUSED) from None
 
 
 def extract_main(argv: list[str] | None = None) -> int:
@@ -163,7 +164,7 @@ def extract_main(argv: list[str] | None = None) -> int:
     servers = args.servers or env.server
     if not servers:
         print("hsx extract: give at least one --server URL (or HSX_SERVER)", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     from hsx_client.corpus.extract import ExtractConfig, format_summary, run_extract
     from hsx_client.corpus.shard import ShardError, resolve
 
@@ -171,7 +172,7 @@ def extract_main(argv: list[str] | None = None) -> int:
         shard = resolve(args.shard, args.num_shards, os.environ)
     except ShardError as exc:
         print(f"hsx extract: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
 
     flags = {k: getattr(args, k) for k in CONNECTION_FLAGS}  # their defaults: the environment's values
     cfg = ExtractConfig(
@@ -247,7 +248,7 @@ def verify_main(argv: list[str] | None = None) -> int:
         report = verify_corpus(args.dir, quiet=args.quiet, workers=args.workers)
     except (ConfigError, StoreError) as exc:
         print(f"hsx verify: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     if args.json:
         print(json.dumps(report, indent=1))
     for b in report["bad"][:100]:
@@ -259,7 +260,7 @@ def verify_main(argv: list[str] | None = None) -> int:
     print(verify_verdict(report), file=sys.stderr)
     if report["bad"] or report["missing"]:
         print(repair_advice(args.dir, report), file=sys.stderr)
-    return 0 if report["ok"] else 1
+    return ExitCode.OK if report["ok"] else ExitCode.FAILED
 
 
 def verify_verdict(report: dict) -> str:

@@ -9,10 +9,11 @@ import os
 import sys
 from pathlib import Path
 
+from hsx.exit_codes import ExitCode
 from hsx_client.settings import DEFAULTS, ClientSettings
 
 from .mix import MixError, load_mix
-from .run import EXIT_INTERRUPTED, EXIT_REFUSED, RegenConfig, run_regenerate
+from .run import RegenConfig, run_regenerate
 from .turns import Sampling
 
 EPILOG = """\
@@ -116,17 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     servers = args.servers or [s for s in os.environ.get("HSX_SERVER", "").split(",") if s.strip()]
     if not servers:
         print("hsx regenerate: give at least one --server URL (or HSX_SERVER)", file=sys.stderr)
-        return EXIT_REFUSED
+        return ExitCode.REFUSED
     try:
         shard = _shard(args.shard)
     except SystemExit as exc:
         print(exc, file=sys.stderr)
-        return EXIT_REFUSED
+        return ExitCode.REFUSED
     try:
         mix = load_mix(args.mix) if args.mix else None
     except (MixError, OSError) as exc:
         print(f"hsx regenerate: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return ExitCode.REFUSED
     sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                         chat_template_kwargs=args.chat_template_kwargs, model=args.model,
                         stop_at_length=args.stop_at_length, mix=mix)
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         result = asyncio.run(run_regenerate(cfg))
     except KeyboardInterrupt:
         print("hsx regenerate: interrupted; rerun the same command to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     s = result.summary
     if args.json:
         print(json.dumps({**s, "exit_code": result.exit_code}))

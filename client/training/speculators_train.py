@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hsx.exit_codes import ExitCode
+
 DEVICES = ("auto", "cpu")
 
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             speculators_backend.settings_from_args(argparse.Namespace(**cfg.flatten()), cfg.data.data_path)
         except ValueError as exc:
             print(f"hsx_client.training.speculators_train: {exc}", file=sys.stderr)
-            return 2
+            return ExitCode.REFUSED
     if device == "cpu":
         use_cpu()
     else:
@@ -84,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.accelerator.is_available():
             print("hsx_client.training.speculators_train: no GPU (accelerator) found; speculators' trainer needs one. "
                   "Add --device cpu to try it on the CPU (slow)", file=sys.stderr)
-            return 2
+            return ExitCode.REFUSED
     train(cfg)
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

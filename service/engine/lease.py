@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from hsx.protocol.lease import SendReport
 from hsx.wire import boot_id
 from hsx_service.engine.arena import Reservation
-from hsx_service.http.auth import key_matches
+from hsx_service.core.keys import key_matches
 
 log = logging.getLogger("hsx.lease")
 
