@@ -105,6 +105,9 @@ async def preflight(cfg: RegenConfig) -> str | None:
         cfg.sampling.for_variant(v) for v in cfg.sampling.mix]
     client = HsxClient.from_settings(cfg.client, transport=cfg.transport)
     async with client:
+        no_room = await _max_tokens_past_context(client, settings)
+        if no_room is not None:
+            return no_room
         for sampling in settings:
             body = request_body(PREFLIGHT_CHAT, None, replace(sampling, max_tokens=1),
                                 sampling.conversation_seed("preflight"), 0)
@@ -122,6 +125,25 @@ async def preflight(cfg: RegenConfig) -> str | None:
             except HsxError:
                 return None
     return None
+
+
+async def _max_tokens_past_context(client: HsxClient, settings: list[Sampling]) -> str | None:
+    """The line refusing a max_tokens that leaves no room for any prompt in the server's
+    context (every conversation would be dropped, the run would store nothing); None when
+    each fits, or when the server does not list a max_model_len."""
+    largest = max((s.max_tokens for s in settings if s.max_tokens is not None), default=None)
+    if largest is None:
+        return None
+    try:
+        lengths = [m.get("max_model_len") for m in (await client.models()).get("data", [])]
+    except (HsxError, AttributeError):
+        return None
+    context = min((n for n in lengths if isinstance(n, int)), default=None)
+    if context is None or largest < context:
+        return None
+    return (f"--max-tokens {largest} leaves no room for a prompt in the server's context of {context} tokens "
+            f"(max_model_len): every conversation would be dropped; give --max-tokens below {context}, or leave "
+            "it out (each turn then gets the room left); nothing was generated or locked")
 
 
 async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Journal,
