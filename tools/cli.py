@@ -11,6 +11,14 @@ import sys
 from hsx.exit_codes import ExitCode
 from hsx_tools.tiny_model import FAMILIES  # light: the maker imports transformers only when it runs
 
+if "__mp_main__" in sys.modules:
+    # A process that multiprocessing spawned from `hsx` (it imports the parent's main module
+    # first): vLLM's data-parallel coordinator is one, and no vLLM plugin runs there to hold
+    # the lifeline, so it outlived a SIGKILLed `hsx serve --data-parallel-size 2`.
+    from hsx import lifeline
+
+    lifeline.hold()
+
 USAGE = f"""usage: hsx COMMAND [ARGS]
 
 commands:
