@@ -30,16 +30,25 @@ def _config(model: Path, data: Path, draft: str, steps: int, draft_config: Path 
 
 
 def _draft_config(model: Path, data: Path, draft: str, work: Path, registration) -> Path | None:
-    """The provider's generated draft config for the target, with the corpus's target layers."""
+    """SpecForge's generated DFlash draft config for the target (the one registration that
+    generates one: DSpark and Domino take a config file), named for this draft's
+    architecture, with the corpus's target layers."""
     if draft == "eagle3":
         return None
-    fmt = json.loads((data / "hsx_format.json").read_text())
-    ids = fmt["trainer_layers"]["target_layer_ids"]
+    from specforge.algorithms.builtin import builtin_algorithm_registry
     from specforge.training.model_loading import resolve_draft_config
 
-    cfg = _config(model, data, draft, 1, None)
-    dc = resolve_draft_config(cfg, provider=registration.providers.model.draft_config)
+    fmt = json.loads((data / "hsx_format.json").read_text())
+    ids = fmt["trainer_layers"]["target_layer_ids"]
+    dflash = builtin_algorithm_registry().resolve("dflash")
+    dc = resolve_draft_config(_config(model, data, "dflash", 1, None), provider=dflash.providers.model.draft_config)
+    provider = registration.providers.model.draft_config
+    dc.architectures = [provider.architecture]
+    if provider.expected_auto_map_model:
+        dc.auto_map = {"AutoModel": provider.expected_auto_map_model}
     dc.dflash_config = {**dict(getattr(dc, "dflash_config", None) or {}), "target_layer_ids": ids}
+    if draft == "domino":  # Domino's GRU head sizes (specforge/modeling/draft/domino.py reads them)
+        dc.dflash_config.update(emb_dim=dc.hidden_size, gru_hidden_dim=dc.hidden_size)
     dc.block_size = 4
     out = work / f"draft-config-{draft}.json"
     out.write_text(dc.to_json_string())
