@@ -231,3 +231,16 @@ def test_specforge_dflash_family_drops_samples_without_two_supervised_in_a_row()
     fmt = get_format("specforge", draft="dflash")
     assert fmt.drop_reason(np.array([1, 0, 1, 0])) and fmt.drop_reason(np.array([0, 1, 1, 0])) is None
     assert get_format("specforge").drop_reason(np.array([1, 0, 1, 0])) is None  # EAGLE-3's rule is its own
+
+
+def test_serve_help_states_each_drafts_layer_set():
+    """`hsx serve --layers` help (hsx.layers.DRAFT_LAYER_SETS) says what the registry computes."""
+    from hsx.layers import DRAFT_LAYER_SETS
+    from hsx_service.settings import ServiceSettings
+
+    assert DRAFT_LAYER_SETS in ServiceSettings.model_fields["layers"].description
+    for d in drafts.DRAFTS.values():
+        for fmt in d.trainers:
+            sym = drafts._symbolic(d.name, fmt).split(" ")[0]
+            assert sym in DRAFT_LAYER_SETS, (d.name, fmt, sym)
+            assert drafts.default_layers(d.name, fmt, 40) == sorted(eval(f"[{sym}]", {"N": 40})), (d.name, fmt)
