@@ -3,7 +3,8 @@
 `python bench/draft_families.py [--steps 40] [--pairs speculators:dflash,...] --out FILE.json`
 
 For each (trainer, draft) pair of client/corpus/drafts.py, on the tiny fixture model
-(shared/fixtures/models/stories260K, N = 5 layers) on the CPU:
+(shared/fixtures/models/stories260K, N = 5 layers; speculators' MTP takes Qwen3-family
+verifiers only: a random Qwen3 of the same shape and tokenizer) on the CPU:
 1. the corpus: the model's states at the draft's default layer set (drafts.default_layers),
    computed as the server computes them (id k < N: the residual stream after k layers,
    transformers' output_hidden_states[k]; id N: the last layer before the final norm), for
@@ -99,7 +100,7 @@ def final_norm(model: Path):
     from hsx_client.postnorm import FinalNorm
 
     cfg = json.loads((model / "config.json").read_text())
-    w = load_file(str(model / "model.safetensors"))["model.norm.weight"]
+    w = load_file(str(model / "model.safetensors"))["model.norm.weight"]  # both verifiers (Llama, Qwen3) are RMSNorm
     return FinalNorm(w.float().numpy(), cfg["rms_norm_eps"], "rms")
 
 
@@ -133,10 +134,11 @@ def write_corpus(out: Path, fmt_name: str, draft: str, rows: list, states: list,
 # ----------------------------------------------------------------------------- training
 
 
-def train_speculators(data: Path, draft: str, layers: list[int], n: int, steps: int, work: Path) -> list[float]:
+def train_speculators(data: Path, draft: str, layers: list[int], n: int, steps: int, work: Path,
+                      verifier: Path) -> list[float]:
     aux = [k for k in layers if k < n]
     argv = [sys.executable, "-m", "hsx_client.training.speculators_train", "--device", "cpu",
-            "--speculator-type", draft, "--verifier-name-or-path", str(MODEL), "--data-path", str(data),
+            "--speculator-type", draft, "--verifier-name-or-path", str(verifier), "--data-path", str(data),
             "--save-path", str(work / f"ckpt-speculators-{draft}"), "--no-resume-from-checkpoint",
             "--on-missing", "raise", "--seed", "0", "--total-seq-len", str(TOTAL_SEQ_LEN), "--num-workers", "0",
             "--epochs", str(epochs_for(data, steps)), "--max-steps", str(steps), "--train-data-ratio", "0.9",
@@ -165,13 +167,54 @@ def epochs_for(data: Path, steps: int) -> int:
     return max(1, -(-steps // max(1, int(tokens // TOTAL_SEQ_LEN))))
 
 
-def train_pair(fmt: str, draft: str, data: Path, layers: list[int], n: int, steps: int, work: Path) -> list[float]:
+def train_pair(fmt: str, draft: str, data: Path, layers: list[int], n: int, steps: int, work: Path,
+               verifier: Path) -> list[float]:
     if fmt == "speculators":
-        return train_speculators(data, draft, layers, n, steps, work)
+        return train_speculators(data, draft, layers, n, steps, work, verifier)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _specforge_train import train_specforge
 
-    return train_specforge(data, draft, MODEL, steps)
+    return train_specforge(data, draft, verifier, steps)
+
+
+# speculators' MTP supports Qwen3-family verifiers only (speculators/models/mtp: "Unsupported MTP
+# model type 'llama'"): its pair uses a random Qwen3 of the fixture's shape and tokenizer.
+QWEN3_DRAFTS = ("mtp",)
+
+
+def tiny_qwen3(work: Path) -> Path:
+    """A random Qwen3 with stories260K's shape, vocab and tokenizer (seed 0)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    out = work / "tiny-qwen3"
+    if (out / "model.safetensors").exists():
+        return out
+    src = json.loads((MODEL / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "bos_token_id",
+            "eos_token_id", "tie_word_embeddings")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**{k: src[k] for k in keep}))
+    model.save_pretrained(str(out))
+    # speculators' MTP starts from the verifier's native MTP head (speculators/convert/mtp/converter.py
+    # refuses a checkpoint without `mtp.*` keys): a random one, the rest of the head is its init.
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(out / "model.safetensors"))
+    h = src["hidden_size"]
+    weights.update({"mtp.fc.weight": torch.randn(h, 2 * h) * 0.02, "mtp.norm.weight": torch.ones(h)})
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in MODEL.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def verifier_for(draft: str, work: Path) -> Path:
+    return tiny_qwen3(work) if draft in QWEN3_DRAFTS else MODEL
 
 
 def falls(loss: list[float]) -> bool:
@@ -181,17 +224,20 @@ def falls(loss: list[float]) -> bool:
 
 def run(pairs: list[tuple[str, str]], steps: int, samples: int, work: Path) -> list[dict]:
     rows = token_rows(MODEL, samples, max_len=128)
-    states = model_states(MODEL, rows)
-    n = states[0].shape[1] - 1
-    norm = final_norm(MODEL)
+    targets: dict[Path, tuple] = {}  # verifier -> (its states of the rows, N, final norm)
     runs = []
     for fmt, draft in pairs:
         t0 = time.perf_counter()
+        verifier = verifier_for(draft, work)
+        if verifier not in targets:
+            states = model_states(verifier, rows)
+            targets[verifier] = (states, states[0].shape[1] - 1, final_norm(verifier))
+        states, n, norm = targets[verifier]
         data = work / f"corpus-{fmt}-{draft}"
         layers = write_corpus(data, fmt, draft, rows, states, n, norm)
-        loss = train_pair(fmt, draft, data, layers, n, steps, work)
+        loss = train_pair(fmt, draft, data, layers, n, steps, work, verifier)
         runs.append({"trainer": fmt, "draft": draft, "layers": layers, "loss": loss, "falls": falls(loss),
-                     "steps": len(loss), "seconds": round(time.perf_counter() - t0, 1)})
+                     "steps": len(loss), "seconds": round(time.perf_counter() - t0, 1), "verifier": verifier.name})
         log(f"{fmt} {draft} layers {layers}: loss {loss[:1]} ... {loss[-1:]} ({runs[-1]['seconds']} s)")
     return runs
 

@@ -62,6 +62,7 @@ class TrainerUse:
     max_aux: int | None  # at most (None: any number)
     last: bool  # the set must end with N (the last layer, pre-norm)
     record: str  # what the corpus file holds, for errors and hsx_format.json
+    min_id: int = 0  # the lowest id it can name (SpecForge's DFlash family: its id j is hsx id j + 1, j >= 0)
 
 
 @dataclass(frozen=True)
@@ -94,19 +95,19 @@ DRAFTS: dict[str, Draft] = {d.name: d for d in (
     Draft("dflash", "DFlash", {
         "speculators": TrainerUse(_speculators_aux, 1, None, True, _SPEC_STATES),
         "specforge": TrainerUse(lambda n: specforge_spread(n, 1), 1, None, False,
-                                "hidden_states [1, T, K*H] (K aux layers, no last state)"),
+                                "hidden_states [1, T, K*H] (K aux layers, no last state)", min_id=1),
     }),
     Draft("dspark", "DSpark", {
         "speculators": TrainerUse(_speculators_aux, 1, None, True, _SPEC_STATES),
         "specforge": TrainerUse(lambda n: [*specforge_spread(n, 1), n], 1, None, True,
-                                "hidden_states [1, T, K*H], target_last_hidden_states [1, T, H] (post-norm)"),
+                                "hidden_states [1, T, K*H], target_last_hidden_states [1, T, H] (post-norm)", min_id=1),
     }),
     Draft("mtp", "MTP", {
         "speculators": TrainerUse(lambda n: [n], 0, 0, True, _SPEC_STATES + ", K = 0"),
     }),
     Draft("domino", "Domino", {
         "specforge": TrainerUse(lambda n: specforge_spread(n, 1), 1, None, False,
-                                "hidden_states [1, T, K*H] (K aux layers, no last state)"),
+                                "hidden_states [1, T, K*H] (K aux layers, no last state)", min_id=1),
     }),
 )}
 
@@ -151,6 +152,8 @@ def layer_problem(draft_name: str | None, fmt: str, layers: list[int], n: int | 
 def _shape_problem(use: TrainerUse, layers: list[int], n: int | None) -> str | None:
     if len(set(layers)) != len(layers) or not layers:
         return "must be distinct ids"
+    if layers[0] < use.min_id:
+        return f"must be ids of {use.min_id} or more (the trainer cannot name id {layers[0]})"
     if n is None:
         aux = len(layers) - (1 if use.last else 0)
     else:
@@ -187,8 +190,7 @@ def trainer_layer_ids(draft: str | None, fmt: str, layers: list[int]) -> dict:
 
 
 def layers_help() -> str:
-    """Per draft and format, the default layer set and the command that makes the corpus
-    (--help of hsx serve and extract, the README)."""
+    """Per draft and format, the default layer set (`hsx extract --help`)."""
     rows = []
     for d in DRAFTS.values():
         for fmt in d.trainers:

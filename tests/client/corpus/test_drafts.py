@@ -244,3 +244,9 @@ def test_serve_help_states_each_drafts_layer_set():
             sym = drafts._symbolic(d.name, fmt).split(" ")[0]
             assert sym in DRAFT_LAYER_SETS, (d.name, fmt, sym)
             assert drafts.default_layers(d.name, fmt, 40) == sorted(eval(f"[{sym}]", {"N": 40})), (d.name, fmt)
+
+
+def test_specforge_dflash_family_cannot_name_the_embeddings():
+    msg = drafts.layer_problem("dflash", "specforge", [0, 3], 5, [0, 1, 2, 3, 4, 5])
+    assert "ids of 1 or more" in msg and "pass --layers 3 " in msg
+    assert drafts.layer_problem("dflash", "speculators", [0, 1, 2, 5], 5, []) is None  # speculators names id 0
