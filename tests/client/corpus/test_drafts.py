@@ -20,7 +20,7 @@ from hsx_client.corpus.settings import ConfigError, CorpusSettings
 from hsx_client.corpus.stream_write import store_stream
 from hsx_client.postnorm import FinalNorm, apply_final_norm
 
-from _corpus_helpers import HIDDEN, VOCAB, DecodedStream, make_decoded, store_files
+from _corpus_helpers import HIDDEN, VOCAB, DecodedStream, make_decoded, specforge_rows, store_files
 from _extract_fakes import FakeCtx, cfg_for, data, fake_read_samples  # noqa: F401  (data: a fixture)
 from _first_hour import InfoServer, refused_and_untouched
 
@@ -169,23 +169,6 @@ def test_the_token_table_takes_any_draft(tmp_path):
 # ----------------------------------------------------------------------------- SpecForge
 
 
-def specforge_rows(path: Path, strategy: str, max_len=4096) -> dict[int, dict]:
-    """SpecForge 0.2's offline provider for `strategy` (reader, store, normalizer, collator)."""
-    pytest.importorskip("specforge")
-    from specforge.algorithms.builtin import builtin_algorithm_registry
-    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
-    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
-
-    provider = builtin_algorithm_registry().resolve(strategy).providers.offline_for("text")
-    refs = provider.build_reader(str(path), run_id="t", ttt_length=7, max_len=max_len).read()
-    loader = FeatureDataLoader(LocalFeatureStore("t"), refs=refs, batch_size=1, collate_fn=provider.build_collator(),
-                               per_sample_transform=provider.build_normalizer(max_len, ttt_length=7,
-                                                                              use_usp_preprocess=False),
-                               drop_last=False, strategy=strategy)
-    files = {r.sample_id: r.feature_store_uri for r in refs}
-    return {int(files[b.sample_ids[0]].rsplit("data_", 1)[1].split(".")[0]): b.tensors for b in loader}
-
-
 @pytest.mark.parametrize("draft,layers", [("dspark", [1, 2, 3, 5]), ("dflash", [2, 3]), ("domino", [3])])
 def test_specforge_records_load_in_specforges_providers(tmp_path, draft, layers):
     fmt = get_format("specforge", draft=draft)
@@ -194,6 +177,7 @@ def test_specforge_records_load_in_specforges_providers(tmp_path, draft, layers)
     assert json.loads((tmp_path / "hsx_format.json").read_text())["trainer_layers"]["target_layer_ids"] == \
         [k - 1 for k in (layers[:-1] if draft == "dspark" else layers)]
     assert all(fmt.verify_sample(tmp_path, i, rec) == [] for i, rec in records)
+    pytest.importorskip("specforge")
     rows = specforge_rows(tmp_path, draft)
     assert sorted(rows) == sorted(decoded)
     for i, d in decoded.items():
