@@ -93,3 +93,22 @@ def train_specforge(data: Path, draft: str, model: Path, steps: int) -> list[flo
         opt.step()
         losses.append(round(float(out.loss.detach()), 4))
     return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(description="Train a SpecForge draft from an hsx offline corpus on the CPU; "
+                                            "prints the loss of each step (bench/draft_families.py runs it in-process)")
+    p.add_argument("--data", required=True, type=Path, help="an hsx corpus (--format specforge --draft D)")
+    p.add_argument("--draft", required=True, choices=["dflash", "dspark", "domino"])
+    p.add_argument("--model", required=True, type=Path, help="the target model directory")
+    p.add_argument("--steps", type=int, default=40)
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    print(json.dumps(train_specforge(a.data, a.draft, a.model, a.steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
