@@ -4,7 +4,7 @@ reader, LocalFeatureStore, normalizer and collator read the corpus (as specforge
 offline runtime wires them); specforge.training.assembly.build_model_bundle builds the
 registered draft and training model from the target checkpoint; the registered step
 (train strategy) gives the loss. The loop around them (AdamW, a fixed number of steps) is
-ours: SpecForge's Trainer wants torch.distributed and a GPU.
+ours, to keep the run in one plain CPU process.
 
 The DFlash family's draft config is SpecForge's own default for the target
 (TargetDerivedDraftDefaults: 1 layer, populate_dflash_generated_config), with its
