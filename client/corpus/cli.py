@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from hsx.exit_codes import ExitCode
 from hsx.sizes import parse_bytes
 from hsx_client.settings import COMPRESSIONS, DEFAULTS, TRANSFERS, ClientSettings, default_workers
+from hsx_client.corpus.drafts import DRAFTS, layers_help
 
 def exit_codes_help() -> str:
     """extract.EXIT_CODES as the help's table: the codes' one text."""
@@ -62,13 +63,19 @@ def _positive(s: str) -> int:
     return v
 
 
+def drafts_help() -> str:
+    return ("\ndrafts and layers (N = the model's num_hidden_layers; the server must capture them: "
+            "hsx serve --layers ...):\n" + layers_help() + "\n")
+
+
 def build_extract_parser(env: ClientSettings | None = None) -> argparse.ArgumentParser:
     """`env`: the defaults of the connection flags (ClientSettings() reads HSX_*)."""
     env = env or DEFAULTS
     p = argparse.ArgumentParser(
         prog="hsx extract",
-        description="Fan a dataset out over hsx servers and write an EAGLE-3 training corpus.",
-        epilog=exit_codes_help() + EXTRACT_EPILOG,
+        description="Fan a dataset out over hsx servers and write a draft-model training corpus "
+                    "(EAGLE-3 by default; --draft).",
+        epilog=exit_codes_help() + EXTRACT_EPILOG + drafts_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--server", action="append", dest="servers", metavar="URL",
@@ -86,7 +93,11 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                    help="over --max-length: keep the start (right), the end (left: keeps the last, supervised "
                         "turn), or fail the sample (error). Default right; a cut sample left with no "
                         "supervised token is dropped")
-    p.add_argument("--layers", type=_layers, metavar="2,8,13,16", help="layer ids (default: all the server serves)")
+    p.add_argument("--draft", choices=list(DRAFTS),
+                   help="the draft model the corpus trains: its layers and the records its trainer reads "
+                        "(default eagle3; see 'drafts and layers' below)")
+    p.add_argument("--layers", type=_layers, metavar="2,8,13,16",
+                   help="layer ids (default: all the server serves; they must fit --draft, checked before any sample)")
     p.add_argument("--draft-vocab-size", type=_positive, metavar="K", help="write the top-K draft vocab mapping")
     p.add_argument("--states", choices=["all", "none"],
                    help="none: write only speculators' token table (POST /tokenize, no engine pass) for "
@@ -190,6 +201,7 @@ def extract_main(argv: list[str] | None = None) -> int:
         max_samples=args.max_samples,
         states=args.states,
         dtype=args.dtype,
+        draft=args.draft,
         resume=args.resume,
         verify=args.verify,
         retry_failed=args.retry_failed,

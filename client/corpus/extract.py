@@ -88,6 +88,7 @@ class ExtractConfig:
     max_samples: int | None = None
     states: str | None = None  # all | none (speculators' token table only)
     dtype: str | None = None  # auto | fp8
+    draft: str | None = None  # eagle3 | peagle | dflash | dspark | mtp | domino (client/corpus/drafts.py)
     # This run.
     resume: bool = False
     verify: bool = False

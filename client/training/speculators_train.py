@@ -39,6 +39,16 @@ DEVICES = ("auto", "cpu")
 CPU_DEFAULTS = {"--loss-implementation": "eager", "--draft-attn-impl": "sdpa"}
 
 
+# Drafts whose attention speculators fixes (models/mtp: "--draft-attn-impl is not configurable for MTP").
+FIXED_ATTENTION = ("mtp",)
+
+
+def _speculator_type(argv: list[str]) -> str | None:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--speculator-type")
+    return p.parse_known_args(argv)[0].speculator_type
+
+
 def _split_device(argv: list[str]) -> tuple[str, list[str]]:
     """(--device, the other flags, for speculators)."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -46,7 +56,10 @@ def _split_device(argv: list[str]) -> tuple[str, list[str]]:
     ours, rest = p.parse_known_args(argv)
     if ours.device == "cpu":
         given = {a.split("=", 1)[0] for a in rest}
-        rest += [x for flag, value in CPU_DEFAULTS.items() if flag not in given for x in (flag, value)]
+        defaults = dict(CPU_DEFAULTS)
+        if _speculator_type(rest) in FIXED_ATTENTION:  # speculators refuses the flag for these
+            defaults.pop("--draft-attn-impl")
+        rest += [x for flag, value in defaults.items() if flag not in given for x in (flag, value)]
     return ours.device, rest
 
 
