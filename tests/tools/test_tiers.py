@@ -106,3 +106,17 @@ def test_modules_sharing_a_session_server_share_a_group_and_an_unlisted_one_fail
     # test_own joins its module's group; the module alone is a group of its own
     assert out.count("GROUP e2e_pool") == 3 and "GROUP test_alone.py" in out, out
     assert "the session-wide fixture unlisted_server starts an engine: list it in" in out
+
+
+def test_under_xdist_a_group_runs_on_one_worker(pytester):
+    """pytest-xdist reads the groups off renamed node ids (pytest 9.2 stopped reading those:
+    every test then went its own way, and each worker started its own shared servers)."""
+    _session(pytester)
+    pytester.makeconftest((HERE / "conftest.py").read_text() + POOL_STANDIN)
+    users = "".join(f"@pytest.mark.engine\ndef test_user_{i}(e2e_pool):\n    pass\n\n\n" for i in range(6))
+    pytester.makepyfile(test_a=f"import pytest\n\n\n{users}", test_b=f"import pytest\n\n\n{users}")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v",
+                                           "test_a.py", "test_b.py")
+    result.assert_outcomes(passed=12)
+    workers = {line.split()[0] for line in result.stdout.lines if "PASSED" in line and "test_user_" in line}
+    assert len(workers) == 1, result.stdout.str()
