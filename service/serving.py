@@ -32,6 +32,8 @@ from hsx_service.body.encode import encode_body
 from hsx_service.engine.lease import Leases
 from hsx_service.http.metrics import Metrics
 from hsx_service.http.schema import HiddenStatesRequest
+from hsx_service.media.chat_images import ChatImages
+from hsx_service.media.limits import MediaLimits
 from hsx_service.body.compress import CompressPool, default_threads
 from hsx_service.body.response import Body, Stats, stream_identity
 from hsx_service.settings import ServiceSettings
@@ -88,6 +90,8 @@ class HiddenStatesService:
         # Text beyond what max_tokens could ever need is work without use: refused before any
         # templating or tokenizing, on every route that takes text (text_bounds.py).
         self.max_text_bytes = settings.max_text_bytes or default_max_text_bytes(self.max_tokens)
+        self.media = ChatImages(MediaLimits.from_settings(settings), lambda: prefill.engine,
+                                getattr(prefill.vllm_config, "model_config", None), f.architecture)
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
                                      settings.zstd_level, frame_threads=settings.zstd_frame_threads)
         self.leases: Leases | None = None
@@ -196,8 +200,11 @@ class HiddenStatesService:
     async def prepare(self, req: HiddenStatesRequest, client: str = "") -> Prepared:
         """`client`: who sends it (guard.py names it), for a fair share of the tokenizer processes."""
         layer_ids, layer_index = self._layers(req.layers)
+        req, images = await self.media.take(req)  # loaded and decoded; placeholders in the messages
         enc = await self._encode(req, client)  # templating and tokenizing: in the pool's processes
         cut = self._truncate(enc, req)
+        if images:  # the model's processor expands each placeholder to its image's tokens
+            cut = await self.media.expand(cut, images, len(enc.token_ids), self._limit(req))
         self._check_supervised(cut, req, len(enc.token_ids))
         return Prepared(cut, layer_ids, layer_index, len(enc.token_ids))
 
@@ -212,6 +219,7 @@ class HiddenStatesService:
             "token_ids": enc.token_ids,
             "loss_mask": enc.loss_mask,
             "loss_mask_source": enc.mask_source,
+            **({"media_mask": enc.media_mask} if enc.media_mask is not None else {}),
             "layer_ids": prep.layer_ids,
             "model": self.card["model"],
             "model_revision": self.card["model_revision"],
@@ -242,7 +250,8 @@ class HiddenStatesService:
             self._windows.add(reservation)
         started = time.perf_counter()
         try:
-            timing = await self.prefill.extract(ids, prep.layer_index, reservation, request_id)
+            timing = await self.prefill.extract(ids, prep.layer_index, reservation, request_id,
+                                                prompt=prep.encoded.engine_input)
         except asyncio.CancelledError:  # a hang-up or the drain's cut-off: the route counts it
             reservation.release()
             raise
@@ -286,6 +295,9 @@ class HiddenStatesService:
         if prep.encoded.loss_mask is not None:
             specs.append(TensorSpec("loss_mask", "U8", (n,)))
             parts.append(np.asarray(prep.encoded.loss_mask, dtype=np.uint8).tobytes())
+        if prep.encoded.media_mask is not None:  # a chat with images: 1 on each image token
+            specs.append(TensorSpec("media_mask", "U8", (n,)))
+            parts.append(np.asarray(prep.encoded.media_mask, dtype=np.uint8).tobytes())
         metadata = self._metadata(req, prep, request_id)
         stats = Stats()
         headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n)}
