@@ -108,7 +108,8 @@ def text_parts(content: list[Any], index: int, offset: int = 0) -> list[str]:
             raise BadInput(f"messages[{index}].content[{j}]: this chat template renders no images (it prints "
                            "each message's content as a string)")
         raise BadInput(f"messages[{index}].content[{j}]: content parts of type {kind!r} are not supported "
-                       f"(this server renders text and, for models that take images, image_url parts)")
+                       f"(here text parts only: image_url parts go to /hidden_states and /tokenize of a model that "
+                       f"takes images)")
     return texts
 
 

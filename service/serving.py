@@ -91,7 +91,7 @@ class HiddenStatesService:
         # templating or tokenizing, on every route that takes text (text_bounds.py).
         self.max_text_bytes = settings.max_text_bytes or default_max_text_bytes(self.max_tokens)
         self.media = ChatImages(MediaLimits.from_settings(settings), lambda: prefill.engine,
-                                getattr(prefill.vllm_config, "model_config", None), f.architecture)
+                                getattr(getattr(prefill, "vllm_config", None), "model_config", None), f.architecture)
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
                                      settings.zstd_level, frame_threads=settings.zstd_frame_threads)
         self.leases: Leases | None = None
@@ -250,8 +250,8 @@ class HiddenStatesService:
             self._windows.add(reservation)
         started = time.perf_counter()
         try:
-            timing = await self.prefill.extract(ids, prep.layer_index, reservation, request_id,
-                                                prompt=prep.encoded.engine_input)
+            with_images = {"prompt": prep.encoded.engine_input} if prep.encoded.engine_input is not None else {}
+            timing = await self.prefill.extract(ids, prep.layer_index, reservation, request_id, **with_images)
         except asyncio.CancelledError:  # a hang-up or the drain's cut-off: the route counts it
             reservation.release()
             raise
