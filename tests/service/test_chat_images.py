@@ -89,3 +89,20 @@ def test_a_truncated_chat_with_images_is_refused():
     media = ChatImages(MediaLimits(), lambda: None, _Config(), "KimiK25ForConditionalGeneration")
     with pytest.raises(TooLarge, match="a chat with images is not truncated"):
         asyncio.run(media.expand(Encoded([1, PAD], None, "none"), ["img"], input_tokens=5, limit=2))
+
+
+def test_the_wire_decoder_reads_the_media_mask():
+    import json
+
+    import numpy as np
+
+    from hsx import wire
+
+    t = 5
+    specs = [wire.TensorSpec("hidden_states", "F32", (t, 1, 2)), wire.TensorSpec("token_ids", "I64", (t,)),
+             wire.TensorSpec("media_mask", "U8", (t,))]
+    media = np.array([0, 1, 1, 0, 0], dtype=np.uint8)
+    body = wire.encode_header(specs, {"layer_ids": json.dumps([1])}) + np.zeros(t * 2, np.float32).tobytes() \
+        + np.arange(t, dtype=np.int64).tobytes() + media.tobytes()
+    dec = wire.decode(body)
+    assert dec.media_mask.tolist() == media.tolist() and dec.loss_mask is None
