@@ -37,7 +37,8 @@ def vl_chat_template(image: str, video: str | None = None) -> str:
     )
 
 
-CHAT_TEMPLATE = vl_chat_template("<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>")
+CHAT_TEMPLATE = vl_chat_template("<|vision_start|><|image_pad|><|vision_end|>",
+                                 "<|vision_start|><|video_pad|><|vision_end|>")
 # Kimi-K2.5's image markup (its media markers around one <|media_pad|>, which vLLM expands)
 KIMI_CHAT_TEMPLATE = vl_chat_template("<|media_begin|>image<|media_content|><|media_pad|><|media_end|>")
 

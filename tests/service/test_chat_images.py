@@ -46,7 +46,8 @@ def test_parts_templates_render_the_placeholder_and_string_templates_refuse_it()
     msgs = [{"role": "user", "content": [IMAGE_PLACEHOLDER, {"type": "text", "text": "What is it?"}]},
             {"role": "assistant", "content": "Red."}]
     assert content_format(KIMI_CHAT_TEMPLATE) == "parts"
-    assert normalize_messages(msgs, "parts")[0]["content"] == [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+    parts = normalize_messages(msgs, "parts")[0]["content"]
+    assert parts == [{"type": "image"}, {"type": "text", "text": "What is it?"}]
     assert content_format(STRING_TEMPLATE) == "string"
     with pytest.raises(BadInput, match=r"messages\[0\]\.content\[0\]: this chat template renders no images"):
         normalize_messages(msgs, "string")

@@ -174,7 +174,8 @@ async def test_hostile_images_are_refused_fast_while_text_is_answered(image_serv
     async with httpx.AsyncClient(base_url=image_server.url, timeout=120) as client:
         started = time.perf_counter()
         bad, good = await asyncio.gather(
-            asyncio.gather(*(client.post("/hidden_states", json={"messages": _chat([u])}) for u, _, _ in hostile.values())),
+            asyncio.gather(*(client.post("/hidden_states", json={"messages": _chat([url])})
+                             for url, _, _ in hostile.values())),
             client.post("/hidden_states", json={"messages": text}),
         )
     assert good.status_code == 200, good.text
