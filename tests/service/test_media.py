@@ -175,7 +175,10 @@ def image_site():
             self.send_response(200 if self.path != "/missing" else 404)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):  # the client stopped at its cap or timeout
+                pass
 
         def log_message(self, *args):
             pass
