@@ -52,7 +52,8 @@ class ChatImages:
         if not parts:
             return req, []
         if not self.multimodal:
-            raise BadInput(f"{parts[0].where}: this model ({self.architecture}) takes no images")
+            raise BadInput(f"{parts[0].where}: image_url parts need a model that takes images; this one "
+                           f"({self.architecture}) does not")
         images = await load_images(parts, self.limits, decode=self._decode)
         return req.model_copy(update={"messages": _with_placeholders(req.messages)}), images
 

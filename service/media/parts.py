@@ -17,7 +17,7 @@ from hsx_service.media.limits import MediaLimits
 from hsx_service.media.sources import load_bytes
 
 IMAGE_PART_TYPES = ("image_url", "input_image")  # the Chat Completions and the Responses API names
-UNSUPPORTED_MEDIA = ("video_url", "input_audio", "audio_url", "file", "input_file", "image", "video")
+VIDEO_AND_AUDIO = ("video_url", "video", "input_audio", "audio_url", "input_file", "file")
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,12 @@ def find_images(messages: list[dict[str, Any]], limits: MediaLimits) -> list[Ima
         if not isinstance(content, list):
             continue
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in IMAGE_PART_TYPES:
-                continue
+            kind = part.get("type") if isinstance(part, dict) else None
             where = f"messages[{i}].content[{j}]"
+            if kind in VIDEO_AND_AUDIO:
+                raise BadInput(f"{where}: {kind!r} parts are not supported (hsx takes images: image_url parts)")
+            if kind not in IMAGE_PART_TYPES:
+                continue
             found.append(ImagePart(i, j, image_url(part, where)))
             if len(found) > limits.max_images:
                 raise TooLarge(f"{where}: more than --max-images-per-request {limits.max_images} images")

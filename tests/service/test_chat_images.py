@@ -74,7 +74,8 @@ def test_take_loads_images_and_leaves_placeholders():
 
 def test_a_text_only_model_refuses_image_parts_by_name():
     media = ChatImages(MediaLimits(), lambda: None, None, "LlamaForCausalLM")
-    with pytest.raises(BadInput, match=r"messages\[0\]\.content\[1\]: this model \(LlamaForCausalLM\) takes no images"):
+    with pytest.raises(BadInput, match=r"messages\[0\]\.content\[1\]: image_url parts need a model that takes images; "
+                       r"this one \(LlamaForCausalLM\) does not"):
         asyncio.run(media.take(_chat({"type": "text", "text": "a"}, img.image_part(img.data_uri(img.png())))))
 
 

@@ -202,3 +202,9 @@ def test_remote_urls_are_refused_unless_allowed(image_site):
     with pytest.raises(BadInput, match="fetching the image URL failed"):
         load([image_site + "/slow"], on)
     assert time.perf_counter() - t < 1.2
+
+
+def test_video_and_audio_parts_are_refused_by_name():
+    for kind in ("video_url", "input_audio"):
+        with pytest.raises(BadInput, match=rf"messages\[0\]\.content\[1\]: '{kind}' parts are not supported"):
+            find_images([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": kind}]}], LIMITS)
