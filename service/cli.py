@@ -17,7 +17,8 @@ import sys
 
 from pydantic import ValidationError
 
-from hsx_service.http.errors import StartupError
+from hsx.exit_codes import ExitCode
+from hsx_service.core.errors import StartupError
 from hsx_service.settings import FLAG_NAMES, ServiceSettings, env_name, refusal_line
 
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         settings, engine_args = parse(argv)
     except (StartupError, ValueError) as exc:  # ValueError: pydantic's check of HSX_* / flags
         print(f"hsx serve: error: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -45,16 +45,17 @@ from typing import Any, NoReturn
 import uvicorn
 from fastapi import FastAPI
 
+from hsx.exit_codes import ExitCode
 from hsx import lifeline
 from hsx_service.http.app import create_app
 from hsx_service.http.state import AppState
 from hsx_service.http.connections import protocol_for
 from hsx_service.engine.prefill import PrefillEngine
 from hsx_service.engine import vllm_compat
-from hsx_service.http.errors import StartupError
+from hsx_service.core.errors import StartupError
 from hsx_service.http.http_workers import HttpWorkers, Listener, resolve_count
 from hsx_service.engine.lease import ArenaSocket
-from hsx_service.http.metrics import sample_loop_lag
+from hsx_service.core.metrics import sample_loop_lag
 from hsx_service.engine.norm import load_final_norm
 from hsx_service.http.routes_generation import Generator
 from hsx_service.serving import HiddenStatesService
@@ -63,7 +64,6 @@ from hsx_service.tokenize_pool import TokenizerPool
 
 log = logging.getLogger("hsx")
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 WATCH_INTERVAL = 0.5
 DRAIN_POLL = 0.05
 CUT_OFF_GRACE = 2.0  # after --shutdown-timeout: seconds for the cut-off requests' 503s and open bodies
@@ -83,14 +83,14 @@ def serve(settings: ServiceSettings, engine_args: Any, listener: Listener | None
                 else Listener(settings.host, settings.port).sock)
     except StartupError as exc:
         print(f"hsx serve: error: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return ExitCode.REFUSED
     prefill = PrefillEngine(settings, engine_args)
     try:
         prefill.prepare()
     except StartupError as exc:
         prefill.shutdown()
         print(f"hsx serve: error: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return ExitCode.REFUSED
     state = AppState(settings=settings, prefill=prefill)
     try:
         count = resolve_count(settings.http_workers, vllm_compat.is_cpu_backend())
@@ -98,7 +98,7 @@ def serve(settings: ServiceSettings, engine_args: Any, listener: Listener | None
     except StartupError as exc:
         prefill.shutdown()
         print(f"hsx serve: error: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return ExitCode.REFUSED
     if workers is not None:
         state.http_workers = count
         state.worker_token = workers.token
@@ -134,7 +134,7 @@ class Lifecycle:
         self.state = state
         self.workers = workers  # --http-workers: they serve the port, this process their Unix socket
         self.sock = sock  # the public port, bound before the engine starts (served here without workers)
-        self.exit_code = EXIT_OK
+        self.exit_code = ExitCode.OK
         self._server: _DrainingServer | None = None
         self._start: asyncio.Task | None = None
 
@@ -166,7 +166,7 @@ class Lifecycle:
     def fail(self, reason: str) -> None:
         """Stop the server with exit 1."""
         log.error("%s", reason)
-        self.exit_code = EXIT_FAILED
+        self.exit_code = ExitCode.FAILED
         if self._server is not None:
             self._server.should_exit = True
 

@@ -1,4 +1,5 @@
-"""POST /hidden_states, end to end: validate, admit, prefill, stream the body.
+"""POST /hidden_states, end to end: validate, admit, prefill, then the reply, in the shape
+decided once (`_lease_terms`) and built by replies.py.
 
 Who frees what: the request's admission ticket belongs to the guard middleware (it
 enters the gate and leaves it when the response has ended); the arena range belongs to
@@ -9,12 +10,10 @@ over after a failure or it was handed over to a same-host lease.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,22 +21,21 @@ import numpy as np
 from hsx import __version__ as hsx_version
 from hsx.dtypes import st_code
 from hsx.protocol.lease import SendReport
-from hsx.wire import FORMAT, LEASE_MEDIA_TYPE, LEASE_STREAM_MEDIA_TYPE, TensorSpec, encode_header
-from hsx_service.http.admission import AdmissionGate, Ticket
+from hsx.wire import FORMAT, TensorSpec
+from hsx_service.core.admission import AdmissionGate, Ticket
 from hsx_service.engine.arena import Reservation
 from hsx_service.engine.prefill import PrefillEngine
-from hsx_service.engine.window import ChunkCut, ChunkFailed, ChunkLease, StreamWindow, WindowStates
-from hsx_service.http.errors import BadInput, NoSupervisedTokens, TooLarge
-from hsx_service.body.encode import encode_body
+from hsx_service.engine.window import StreamWindow
+from hsx_service.core.errors import BadInput, NoSupervisedTokens, TooLarge
 from hsx_service.engine.lease import Leases
-from hsx_service.http.metrics import Metrics
-from hsx_service.http.schema import HiddenStatesRequest
+from hsx_service.core.metrics import Metrics
+from hsx_service.core.schema import HiddenStatesRequest
 from hsx_service.media.chat_images import ChatImages
 from hsx_service.media.limits import MediaLimits
 from hsx_service.body.compress import CompressPool, default_threads
-from hsx_service.body.response import Body, Stats, stream_identity
+from hsx_service.replies import LeaseTerms, Outgoing, Replies, Reply
 from hsx_service.settings import ServiceSettings
-from hsx_service.text_bounds import check_text_bytes, default_max_text_bytes, is_long
+from hsx_service.text_bounds import check_message_count, check_text_bytes, default_max_text_bytes, is_long
 from hsx_service.tokenize import Encoded
 from hsx_service.tokenize_pool import TokenizerPool
 
@@ -47,19 +45,9 @@ log = logging.getLogger("hsx.serving")
 @dataclass
 class Prepared:
     encoded: Encoded
-    layer_ids: list[int]
-    layer_index: list[int]
+    layer_ids: list[int]  # the model's layer ids, as HTTP's `layers` names them
+    layer_positions: list[int]  # the same layers' positions among the captured ones (the engine's)
     input_tokens: int  # before truncation (the reply's metadata says so: the client counts cut rows)
-
-
-@dataclass
-class Reply:
-    """What the route sends: headers, the body stream, and `close`, which must run once
-    however the response ends (it frees the arena range or ends an unsent lease)."""
-
-    headers: dict[str, str]
-    stream: AsyncIterator
-    close: Callable[[], None]
 
 
 class HiddenStatesService:
@@ -101,6 +89,7 @@ class HiddenStatesService:
             self.leases = Leases(settings.lease_timeout, on_end=lambda outcome: metrics.leases.labels(outcome).inc(),
                                  per_session=settings.lease_max_per_session,
                                  arena_bytes=prefill.allocator.size if prefill.allocator is not None else None)
+        self.replies = Replies(prefill, self.compress, metrics, settings.lease_timeout)
         # Chunked saves whose responses are still open: the drain's cut-off ends them (`cut_off`).
         self._windows: weakref.WeakSet[StreamWindow] = weakref.WeakSet()
         gate.engine_dead = lambda: prefill.dead
@@ -127,6 +116,7 @@ class HiddenStatesService:
 
     # ------------------------------------------------------------------ validation
     def _layers(self, asked: list[int] | None) -> tuple[list[int], list[int]]:
+        """The layer ids asked for (all served ones when none) and their positions among them."""
         served = self.facts.layer_ids
         if asked is None:
             return served, list(range(len(served)))
@@ -143,9 +133,7 @@ class HiddenStatesService:
             raise BadInput("this server does not run request-supplied chat templates (a template is code); "
                            "leave chat_template out to use the server's, or start it with "
                            "--trust-request-chat-template")
-        if req.messages is not None and len(req.messages) > self.settings.max_messages:
-            raise TooLarge(f"{len(req.messages)} messages; this server takes at most {self.settings.max_messages} "
-                           "(--max-messages)")
+        check_message_count(req.messages, self.settings.max_messages)
         return check_text_bytes(req, self.max_text_bytes)
 
     async def _encode(self, req: HiddenStatesRequest, client: str = "") -> Encoded:
@@ -199,14 +187,14 @@ class HiddenStatesService:
 
     async def prepare(self, req: HiddenStatesRequest, client: str = "") -> Prepared:
         """`client`: who sends it (guard.py names it), for a fair share of the tokenizer processes."""
-        layer_ids, layer_index = self._layers(req.layers)
+        layer_ids, layer_positions = self._layers(req.layers)
         req, images = await self.media.take(req)  # loaded and decoded; placeholders in the messages
         enc = await self._encode(req, client)  # templating and tokenizing: in the pool's processes
         cut = self._truncate(enc, req)
         if images:  # the model's processor expands each placeholder to its image's tokens
             cut = await self.media.expand(cut, images, len(enc.token_ids), self._limit(req))
         self._check_supervised(cut, req, len(enc.token_ids))
-        return Prepared(cut, layer_ids, layer_index, len(enc.token_ids))
+        return Prepared(cut, layer_ids, layer_positions, len(enc.token_ids))
 
     async def tokenize(self, req: HiddenStatesRequest, request_id: str, client: str = "") -> dict:
         """POST /tokenize: the token ids and loss mask /hidden_states would prefill for
@@ -251,7 +239,7 @@ class HiddenStatesService:
         started = time.perf_counter()
         try:
             with_images = {"prompt": prep.encoded.engine_input} if prep.encoded.engine_input is not None else {}
-            timing = await self.prefill.extract(ids, prep.layer_index, reservation, request_id, **with_images)
+            timing = await self.prefill.extract(ids, prep.layer_positions, reservation, request_id, **with_images)
         except asyncio.CancelledError:  # a hang-up or the drain's cut-off: the route counts it
             reservation.release()
             raise
@@ -261,10 +249,24 @@ class HiddenStatesService:
             raise
         for phase, seconds in timing.items():
             self.metrics.phase.labels(phase).observe(seconds)
-        if lease and not http_worker and self.leases is not None:
-            lease = self._admit_client_lease(reservation, session)
-        return self._reply(req, prep, reservation, request_id, coding, lease and self.leases is not None, started,
-                           session, http_worker)
+        terms = self._lease_terms(lease, reservation, session, http_worker)
+        sample = self._outgoing(req, prep, request_id, started)
+        if terms is None:
+            return self.replies.body(sample, reservation, coding)
+        if isinstance(reservation, StreamWindow):
+            return self.replies.lease_stream(sample, reservation, terms)
+        return self.replies.lease(sample, reservation, terms)
+
+    def _lease_terms(self, asked: bool, reservation: Reservation | StreamWindow, session: str | None,
+                     http_worker: bool) -> LeaseTerms | None:
+        """The one decision whether this reply is a lease, and on what terms: None (an HTTP
+        body) unless a lease was asked for and the server keeps leases; an HTTP worker's is
+        always granted, a client's only within its session's caps."""
+        if not asked or self.leases is None:
+            return None
+        if not http_worker and not self._admit_client_lease(reservation, session):
+            return None
+        return LeaseTerms(self.leases, session, http_worker)
 
     def _admit_client_lease(self, reservation: Reservation | StreamWindow, session: str) -> bool:
         """Whether a client's lease of this range fits its session's caps (Leases.may_lease);
@@ -280,161 +282,24 @@ class HiddenStatesService:
             reservation.when_freed(self.leases.hold(session, reservation.extent.reserved).release)
         return True
 
-    def _reply(self, req: HiddenStatesRequest, prep: Prepared, reservation: Reservation, request_id: str,
-               coding: str, lease: bool, started: float, session: str | None = None, http_worker: bool = False) -> Reply:
-        t_send = time.perf_counter()
+    def _outgoing(self, req: HiddenStatesRequest, prep: Prepared, request_id: str, started: float) -> Outgoing:
+        """What every reply shape sends of this sample: the states' spec, the tensors after them,
+        the metadata and the headers."""
+        t_send = time.perf_counter()  # the send phase counts the reply's build
         f = self.facts
         ids = prep.encoded.token_ids
         n = len(ids)
         states = TensorSpec("hidden_states", st_code(f.dtype), (n, len(prep.layer_ids), f.hidden_size))
-        specs = [states, TensorSpec("token_ids", "I64", (n,))]
-        chunked = isinstance(reservation, StreamWindow)
-        states_part = (WindowStates(reservation, self.prefill.arena.view) if chunked
-                       else self.prefill.arena.slice(reservation.extent))
-        parts: list = [states_part, np.asarray(ids, dtype=np.int64).tobytes()]
+        specs = [TensorSpec("token_ids", "I64", (n,))]
+        parts: list = [np.asarray(ids, dtype=np.int64).tobytes()]
         if prep.encoded.loss_mask is not None:
             specs.append(TensorSpec("loss_mask", "U8", (n,)))
             parts.append(np.asarray(prep.encoded.loss_mask, dtype=np.uint8).tobytes())
         if prep.encoded.media_mask is not None:  # a chat with images: 1 on each image token
             specs.append(TensorSpec("media_mask", "U8", (n,)))
             parts.append(np.asarray(prep.encoded.media_mask, dtype=np.uint8).tobytes())
-        metadata = self._metadata(req, prep, request_id)
-        stats = Stats()
         headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n)}
-        if not lease:
-            body_headers, stream = encode_body(specs, parts, metadata, coding, stats, self.compress)
-            headers.update(body_headers)
-
-            def close_body() -> None:
-                reservation.release()
-                self._record(n, stats.raw, stats.wire, stats.complete, started, time.perf_counter() - t_send,
-                             stats.work_s, coding)
-
-            return Reply(headers, stream, _once(close_body))
-
-        specs.pop(0)
-        parts.pop(0)
-        if chunked:
-            return self._reply_lease_stream(reservation, specs, parts, metadata, headers, states, session, n, started,
-                                            t_send, http_worker)
-        extent = reservation.extent
-        # An HTTP worker's lease (http_worker.py) lasts until it has sent the body, however slow
-        # its client; it reports what it sent when it releases the lease (its metrics are
-        # recorded then). A same-host client's lease expires after --lease-timeout.
-        on_end = functools.partial(self._http_worker_lease_ended, n, started) if http_worker else None
-        lease_id = self.leases.grant(reservation.hand_over(), session, expires=not http_worker, on_end=on_end)
-        self.metrics.leases.labels("granted").inc()
-        metadata["lease"] = json.dumps({
-            "id": lease_id, "arena_id": self.prefill.arena.arena_id, "offset": extent.offset,
-            "nbytes": extent.nbytes, "dtype": states.dtype, "shape": list(states.shape),
-            "expires_in": None if http_worker else self.settings.lease_timeout,
-        })
-        body = Body([encode_header(specs, metadata), *parts])
-        headers["Content-Type"] = LEASE_MEDIA_TYPE  # a few KB: never worth compressing
-        headers["Content-Length"] = str(body.nbytes)
-
-        def close_lease() -> None:
-            if not stats.complete:  # the client never got the lease: take the range back
-                self.leases.release(lease_id, "unsent")
-            if not http_worker:
-                self._record(n, extent.nbytes, stats.wire, stats.complete, started, time.perf_counter() - t_send)
-
-        return Reply(headers, stream_identity(body, stats), _once(close_lease))
-
-    def _reply_lease_stream(self, window: StreamWindow, specs: list[TensorSpec], parts: list,
-                            metadata: dict[str, str], headers: dict[str, str], states: TensorSpec,
-                            session: str | None, n: int, started: float, t_send: float,
-                            http_worker: bool = False) -> Reply:
-        """The chunked lease form (hsx/wire.py LEASE_STREAM_MEDIA_TYPE): the lease head, then a
-        lease per chunk as it lands; each release gives the chunk's slot back to the worker.
-        A client that closes the response mid-sample has left it: the chunk leases it still holds
-        end then (a later release of one is a 410). An HTTP worker's do not expire; the worker
-        closes this response only once it reads no chunk any more, so they end with it too. For
-        that, this response stays open after its last record until the worker has released every
-        chunk: ending it at the last record ended the chunks the worker was still coding, and
-        freed their range for another request while the worker read it.
-
-        A client's chunk lease that expires ends the request (`StreamWindow.stop`): the stream
-        sends an error record (410) and ends, the worker cancels and frees the KV blocks, and
-        the window is freed. Offering the next chunk instead kept a silent client's request,
-        its blocks and its window for one --lease-timeout per chunk."""
-        metadata["lease"] = json.dumps({
-            "chunked": True, "arena_id": self.prefill.arena.arena_id, "dtype": states.dtype,
-            "shape": list(states.shape), "expires_in": self.settings.lease_timeout,
-        })
-        head = encode_header(specs, metadata) + b"".join(bytes(p) for p in parts)
-        headers["Content-Type"] = LEASE_STREAM_MEDIA_TYPE
-        stats = Stats()
-        leases = self.leases
-        assert leases is not None
-        granted: list[str] = []
-        expired = f"a chunk lease expired after --lease-timeout {leases.timeout:g}s: the client stopped reading"
-
-        def chunk_lease_ended(outcome: str, _report: SendReport | None) -> None:
-            if outcome == "expired":
-                window.stop(expired)
-
-        async def stream() -> AsyncIterator[bytes]:
-            yield head
-            stats.wire += len(head)
-            try:
-                while (chunk := await window.next_chunk()) is not None:
-                    if not leases.session_alive(session):  # the client is gone: nobody would release it
-                        window.give_back(chunk.index)
-                        return
-                    lease_id = leases.grant(ChunkLease(window, chunk), session, expires=not http_worker,
-                                            on_end=chunk_lease_ended, counted=False)
-                    self.metrics.leases.labels("granted").inc()
-                    granted.append(lease_id)
-                    line = json.dumps({"id": lease_id, "offset": chunk.offset, "nbytes": chunk.nbytes,
-                                       "tokens": [chunk.start, chunk.stop]}).encode() + b"\n"
-                    try:
-                        yield line
-                    except BaseException:  # closed: this record may never have left
-                        leases.release(lease_id, "unsent")
-                        raise
-                    stats.raw += chunk.nbytes
-                    stats.wire += len(line)
-                yield b'{"end": true}\n'
-                stats.complete = True
-            except ChunkCut as exc:
-                yield json.dumps({"error": str(exc), "status": exc.status}).encode() + b"\n"
-            except ChunkFailed as exc:
-                error = ({"error": expired, "status": 410} if window.stopped == expired else
-                         {"error": f"the engine did not deliver the hidden states ({exc})", "status": 502})
-                yield json.dumps(error).encode() + b"\n"
-            if http_worker:  # its chunks end with its releases, or with this response once it closes it
-                await window.all_back()
-
-        def close() -> None:
-            if http_worker or not stats.complete:  # released already, or never to be read
-                for lease_id in granted:
-                    leases.release(lease_id, "unsent")
-            window.close()
-            self._record(n, stats.raw, stats.wire, stats.complete, started, time.perf_counter() - t_send)
-
-        return Reply(headers, stream(), _once(close))
-
-    def _record(self, n: int, raw: int, wire: int, complete: bool, started: float, send_s: float,
-                work_s: float | None = None, coding: str = "identity") -> None:
-        """One finished response in the metrics (`work_s`: pool seconds of its copies or
-        compression, within send; none for a lease)."""
-        self.metrics.sent(raw, wire)
-        self.metrics.tokens.inc(n)
-        self.metrics.requests.labels("ok" if complete else "aborted").inc()
-        self.metrics.latency.observe(time.perf_counter() - started)
-        self.metrics.phase.labels("send").observe(send_s)
-        if work_s is not None:
-            self.metrics.phase.labels("encode_identity" if coding == "identity" else "compress").observe(work_s)
-
-    def _http_worker_lease_ended(self, n: int, started: float, outcome: str, report: SendReport | None) -> None:
-        """An HTTP worker's lease ended: released with its report of the body it sent, or
-        ended unsent / with the worker (`client_gone`): an aborted request."""
-        if report is None:
-            self._record(n, 0, 0, False, started, 0.0)
-        else:
-            self._record(n, report.raw, report.wire, report.complete and outcome == "released", started,
-                         report.send_s, report.work_s, report.coding)
+        return Outgoing(states, specs, parts, self._metadata(req, prep, request_id), headers, n, started, t_send)
 
     def template_sha256(self, req: HiddenStatesRequest) -> str:
         """The server's chat template's hash when it rendered this input (a chat without a
@@ -457,16 +322,3 @@ class HiddenStatesService:
     def release_lease(self, lease_id: str, report: SendReport | None = None) -> bool:
         """A client's release (True: its read was valid), or an HTTP worker's, with its report."""
         return self.leases is not None and self.leases.release(lease_id, detail=report)
-
-
-def _once(fn: Callable[[], None]) -> Callable[[], None]:
-    """`fn`, run at most once however often it is called (a Reply's close)."""
-    done = False
-
-    def run() -> None:
-        nonlocal done
-        if not done:
-            done = True
-            fn()
-
-    return run

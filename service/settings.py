@@ -13,6 +13,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from typing_extensions import Annotated
 
+from hsx.layers import DRAFT_LAYER_SETS
 from hsx.sizes import format_bytes, parse_bytes
 
 GiB = 1 << 30
@@ -52,7 +53,8 @@ class ServiceSettings(BaseSettings):
     host: str = Field("0.0.0.0", description="Address to bind")
     port: int = Field(8001, ge=0, le=65535, description="Port to bind (vLLM's own server defaults to 8000)")
     layers: Annotated[list[int] | None, NoDecode] = Field(
-        None, description="Layer ids to capture, e.g. 2,16,29,32 (default: 2, N//2, N-3, N)"
+        None, description="Layer ids to capture, e.g. 2,16,29,32 (default: 2, N//2, N-3, N, EAGLE-3's); "
+        + DRAFT_LAYER_SETS
     )
     api_key: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Accepted Bearer keys, comma-separated; none = no auth"
@@ -63,7 +65,7 @@ class ServiceSettings(BaseSettings):
     max_tokens_per_request: int | None = Field(
         None, ge=1, description="Largest prompt in tokens (413 beyond; default max_model_len - 1)"
     )
-    max_messages: int = Field(4096, ge=1, description="Most chat messages in one request")
+    max_messages: int = Field(4096, ge=1, description="Most chat messages in one request (413 beyond)")
     arena_bytes: int = Field(
         4 * GiB, ge=MiB, description="Shared-memory arena for states not yet sent (bounds unsent bytes)"
     )

@@ -1,6 +1,7 @@
 """The bounds on the text one request asks the tokenizer processes to work on, the same for
 every route that takes text (/hidden_states, /tokenize, /v1/chat/completions).
 
+- `--max-messages`: a chat with more messages is refused (413, `check_message_count`).
 - `--max-text-bytes` (default 64 x the token limit, at least 4 MiB): more text is refused
   (413) before any templating or tokenizing. The floor leaves room for long documents cut by
   truncation; a text that must fit the token limit whole is refused by tokenizing only a
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hsx_service.http.errors import TooLarge
+from hsx_service.core.errors import TooLarge
 
 TEXT_BYTES_PER_TOKEN = 64  # more than any tokenizer's text per token: a generous bound
 MIN_TEXT_BYTES = 4 << 20
@@ -50,6 +51,14 @@ def check_text_bytes(req: Any, max_text_bytes: int) -> int:
         raise TooLarge(f"{size} bytes of text; this server takes at most {max_text_bytes} bytes a request "
                        "(--max-text-bytes): send a shorter input")
     return size
+
+
+def check_message_count(messages: list | None, max_messages: int) -> None:
+    """Raises TooLarge for a chat over `--max-messages`. A size limit like the body's, the
+    tokens' and the text's, so the same 413 on every route (a 400 would say the request is
+    malformed; it is only too big, and the same chat in fewer messages passes)."""
+    if messages is not None and len(messages) > max_messages:
+        raise TooLarge(f"{len(messages)} messages; this server takes at most {max_messages} (--max-messages)")
 
 
 def is_long(size: int, max_tokens: int) -> bool:

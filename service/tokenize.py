@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsx_service.chat_content import content_format, normalize_messages, reply_text
-from hsx_service.http.errors import BadInput
+from hsx_service.core.errors import BadInput
 
 PER_TURN_LIMIT = 64  # assistant turns the quadratic per-turn fallback may take
 PREFIX_CHARS_PER_TOKEN = 8  # first guess of the text a kept prefix of tokens needs

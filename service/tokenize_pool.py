@@ -37,7 +37,7 @@ from pebble import ProcessExpired, ProcessPool
 
 from hsx import lifeline
 
-from hsx_service.http.errors import BadInput, Overloaded, ServiceError, TooLarge
+from hsx_service.core.errors import BadInput, Overloaded, ServiceError, TooLarge
 from hsx_service.tokenize import Encoded, Tokenizer
 from hsx_service.tokenize_slots import FairSlots, LaneFull
 

@@ -63,23 +63,29 @@ def write_samples(fmt, out_dir: Path, ctx, decoded: dict, *, order=None, tokens_
     return records
 
 
-def specforge_batches(path: Path, max_len: int, run_id: str = "t") -> list[tuple[str, dict]]:
-    """SpecForge 0.2's eagle3 offline reader, LocalFeatureStore, normalizer and collator
-    over a corpus: [(sample file path, batch tensors)], one sample a batch."""
+def specforge_batches(path: Path, max_len: int, run_id: str = "t", strategy: str = "eagle3") -> list[tuple[str, dict]]:
+    """SpecForge 0.2's offline reader (of `strategy`: eagle3, dflash, dspark, domino),
+    LocalFeatureStore, normalizer and collator over a corpus: [(sample file path, batch
+    tensors)], one sample a batch."""
     from specforge.algorithms.builtin import builtin_algorithm_registry
     from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
     from specforge.runtime.data_plane.feature_store import LocalFeatureStore
 
-    provider = builtin_algorithm_registry().resolve("eagle3").providers.offline_for("text")
+    provider = builtin_algorithm_registry().resolve(strategy).providers.offline_for("text")
     refs = provider.build_reader(str(path), run_id=run_id, ttt_length=7, max_len=max_len).read()
     loader = FeatureDataLoader(
         LocalFeatureStore(run_id), refs=refs, batch_size=1,
         collate_fn=provider.build_collator(),
         per_sample_transform=provider.build_normalizer(max_len, ttt_length=7, use_usp_preprocess=False),
-        drop_last=False, strategy="eagle3",
+        drop_last=False, strategy=strategy,
     )
     files = {r.sample_id: r.feature_store_uri[len("file://"):] for r in refs}
     return [(files[b.sample_ids[0]], b.tensors) for b in loader]
+
+
+def specforge_rows(path: Path, strategy: str, max_len: int = 4096) -> dict[int, dict]:
+    """specforge_batches by sample index (`rows/..../data_{i}.ckpt`)."""
+    return {int(f.rsplit("data_", 1)[1].split(".")[0]): t for f, t in specforge_batches(path, max_len, strategy=strategy)}
 
 
 class DecodedStream:

@@ -85,6 +85,10 @@ def pytest_fixture_setup(fixturedef, request):
         return (yield)
     finally:
         EngineGuard.fixture = outer
+        if (fixturedef.scope == "session" and fixturedef.argname in EngineGuard.engine_fixtures
+                and fixturedef.argname not in SHARED_SERVERS):
+            pytest.fail(f"the session-wide fixture {fixturedef.argname} starts an engine: list it in "
+                        "tests/conftest.py SHARED_SERVERS, so parallel runs start it once", pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -107,10 +111,41 @@ def pytest_runtest_call(item):
         EngineGuard.test = None
 
 
-# ----------------------------------------------------------------------------- order
+# ----------------------------------------------------------------------------- order and groups
+# The session-wide servers below. Under pytest-xdist (`-n 2 --dist loadgroup`, what
+# scripts/test.sh runs for the engine tiers) every module that uses one of them joins one
+# group with the other modules that use it, so each server still starts once per run; a
+# module with only servers of its own is a group by itself (its module-scoped servers start
+# once too). A new session-wide server fixture must be listed here: `pytest_fixture_setup`
+# fails a session-scoped fixture that starts an engine and is not.
+SHARED_SERVERS = ("tiny_server", "stories_server", "chunk_server", "e2e_pool")
+# The groups that take longest, slowest first (bench/README.md, "CI"); the rest follow by size.
+LONGEST_GROUPS = ("e2e_pool", "stories_server", "tests/service/engine/test_parallel.py", "chunk_server",
+                  "tests/service/engine/test_model_families.py")
+
+
+def _groups(items) -> dict[object, str]:
+    """Each item's group: the connected modules of (module, shared server) pairs."""
+    parent: dict[str, str] = {}
+
+    def find(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    module_of = {item: item.nodeid.split("::")[0] for item in items}
+    for item, module in module_of.items():
+        for name in SHARED_SERVERS:
+            if name in getattr(item, "fixturenames", ()):
+                parent[find(module)] = find(name)
+    return {item: find(module) for item, module in module_of.items()}
+
+
 def pytest_collection_modifyitems(session, config, items):
     """Within each module, the tests that stop a shared server (a `*_to_stop` fixture of
-    _server.Servers) run last, so the module's other tests never wait for a fresh engine."""
+    _server.Servers) run last, so the module's other tests never wait for a fresh engine.
+    Each item gets its xdist group (see SHARED_SERVERS)."""
     def stops(item) -> bool:
         return any(name.endswith("_to_stop") for name in getattr(item, "fixturenames", ()))
 
@@ -118,6 +153,15 @@ def pytest_collection_modifyitems(session, config, items):
     for item in items:
         order.setdefault(item.module if hasattr(item, "module") else None, []).append(item)
     items[:] = [item for group in order.values() for item in sorted(group, key=stops)]
+    groups = _groups(items)
+    for item, group in groups.items():
+        item.add_marker(pytest.mark.xdist_group(group))
+    # Longest groups first (scripts/test.sh passes --no-loadscope-reorder, so workers take
+    # them in this order): the slowest ones never start last beside an idle worker.
+    size = {group: sum(1 for g in groups.values() if g == group) for group in set(groups.values())}
+    rank = {group: (LONGEST_GROUPS.index(group) if group in LONGEST_GROUPS else len(LONGEST_GROUPS), -size[group])
+            for group in size}
+    items.sort(key=lambda item: rank[groups[item]])  # stable: each group keeps its order
 
 
 # ----------------------------------------------------------------------------- servers

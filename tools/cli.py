@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import sys
 
+from hsx.exit_codes import ExitCode
 from hsx_tools.tiny_model import FAMILIES  # light: the maker imports transformers only when it runs
+
+if "__mp_main__" in sys.modules:
+    # A process that multiprocessing spawned from `hsx` (it imports the parent's main module
+    # first): vLLM's data-parallel coordinator is one, and no vLLM plugin runs there to hold
+    # the lifeline, so it outlived a SIGKILLed `hsx serve --data-parallel-size 2`.
+    from hsx import lifeline
+
+    lifeline.hold()
 
 USAGE = f"""usage: hsx COMMAND [ARGS]
 
@@ -34,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0
+        return ExitCode.OK
     command, rest = argv[0], argv[1:]
     if command in ("serve", "demo", "bench", "make-tiny-model", "quantize-tiny-model"):
         from hsx.compat import guard_broken_torch_extensions
@@ -62,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         from hsx import __version__
 
         print(__version__)
-        return 0
+        return ExitCode.OK
     else:
         print(f"hsx: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     return int(run(rest) or 0)
 
 

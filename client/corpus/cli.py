@@ -19,8 +19,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from hsx.exit_codes import ExitCode
 from hsx.sizes import parse_bytes
 from hsx_client.settings import COMPRESSIONS, DEFAULTS, TRANSFERS, ClientSettings, default_workers
+from hsx_client.corpus.drafts import DRAFTS, layers_help
 
 def exit_codes_help() -> str:
     """extract.EXIT_CODES as the help's table: the codes' one text."""
@@ -61,13 +63,19 @@ def _positive(s: str) -> int:
     return v
 
 
+def drafts_help() -> str:
+    return ("\ndrafts and layers (N = the model's num_hidden_layers; the server must capture them: "
+            "hsx serve --layers ...):\n" + layers_help() + "\n")
+
+
 def build_extract_parser(env: ClientSettings | None = None) -> argparse.ArgumentParser:
     """`env`: the defaults of the connection flags (ClientSettings() reads HSX_*)."""
     env = env or DEFAULTS
     p = argparse.ArgumentParser(
         prog="hsx extract",
-        description="Fan a dataset out over hsx servers and write an EAGLE-3 training corpus.",
-        epilog=exit_codes_help() + EXTRACT_EPILOG,
+        description="Fan a dataset out over hsx servers and write a draft-model training corpus "
+                    "(EAGLE-3 by default; --draft).",
+        epilog=exit_codes_help() + EXTRACT_EPILOG + drafts_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--server", action="append", dest="servers", metavar="URL",
@@ -85,7 +93,11 @@ def build_extract_parser(env: ClientSettings | None = None) -> argparse.Argument
                    help="over --max-length: keep the start (right), the end (left: keeps the last, supervised "
                         "turn), or fail the sample (error). Default right; a cut sample left with no "
                         "supervised token is dropped")
-    p.add_argument("--layers", type=_layers, metavar="2,8,13,16", help="layer ids (default: all the server serves)")
+    p.add_argument("--draft", choices=list(DRAFTS),
+                   help="the draft model the corpus trains: its layers and the records its trainer reads "
+                        "(default eagle3; see 'drafts and layers' below)")
+    p.add_argument("--layers", type=_layers, metavar="2,8,13,16",
+                   help="layer ids (default: all the server serves; they must fit --draft, checked before any sample)")
     p.add_argument("--draft-vocab-size", type=_positive, metavar="K", help="write the top-K draft vocab mapping")
     p.add_argument("--states", choices=["all", "none"],
                    help="none: write only speculators' token table (POST /tokenize, no engine pass) for "
@@ -154,7 +166,7 @@ def _env_settings() -> ClientSettings:
         err = exc.errors()[0]
         name = "HSX_" + str(err["loc"][0]).upper() if err.get("loc") else "HSX_*"
         print(f"hsx extract: {name}={err.get('input')!r}: {err['msg']}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(ExitCode.REFUSED) from None
 
 
 def extract_main(argv: list[str] | None = None) -> int:
@@ -163,7 +175,7 @@ def extract_main(argv: list[str] | None = None) -> int:
     servers = args.servers or env.server
     if not servers:
         print("hsx extract: give at least one --server URL (or HSX_SERVER)", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     from hsx_client.corpus.extract import ExtractConfig, format_summary, run_extract
     from hsx_client.corpus.shard import ShardError, resolve
 
@@ -171,7 +183,7 @@ def extract_main(argv: list[str] | None = None) -> int:
         shard = resolve(args.shard, args.num_shards, os.environ)
     except ShardError as exc:
         print(f"hsx extract: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
 
     flags = {k: getattr(args, k) for k in CONNECTION_FLAGS}  # their defaults: the environment's values
     cfg = ExtractConfig(
@@ -189,6 +201,7 @@ def extract_main(argv: list[str] | None = None) -> int:
         max_samples=args.max_samples,
         states=args.states,
         dtype=args.dtype,
+        draft=args.draft,
         resume=args.resume,
         verify=args.verify,
         retry_failed=args.retry_failed,
@@ -247,7 +260,7 @@ def verify_main(argv: list[str] | None = None) -> int:
         report = verify_corpus(args.dir, quiet=args.quiet, workers=args.workers)
     except (ConfigError, StoreError) as exc:
         print(f"hsx verify: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     if args.json:
         print(json.dumps(report, indent=1))
     for b in report["bad"][:100]:
@@ -259,7 +272,7 @@ def verify_main(argv: list[str] | None = None) -> int:
     print(verify_verdict(report), file=sys.stderr)
     if report["bad"] or report["missing"]:
         print(repair_advice(args.dir, report), file=sys.stderr)
-    return 0 if report["ok"] else 1
+    return ExitCode.OK if report["ok"] else ExitCode.FAILED
 
 
 def verify_verdict(report: dict) -> str:

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsx.exit_codes import ExitCode
+from hsx.sizes import fmt_bytes
 from hsx_client.corpus import plan as planning
 from hsx_client.corpus import disk_estimate, journal, merged, store
 from hsx_client.api import HsxClient
@@ -50,23 +52,22 @@ from hsx_client.corpus.preflight import check_chat_template, preflight, token_ra
 from hsx_client.corpus.progress import Progress, format_summary, reason_counts
 from hsx_client.corpus.provenance import finalize
 from hsx_client.corpus.settings import PLAN_KEYS, CorpusSettings
-from hsx_client.corpus.run import EXIT_INTERRUPTED, RunHooks, RunLoop, RunState
+from hsx_client.corpus.run import RunHooks, RunLoop, RunState
 from hsx_client.settings import ClientSettings
 from hsx_client.corpus.template_tools import tools_not_rendered
 from hsx_client.corpus.verify import verify_corpus, verify_samples
 from hsx_client.corpus.workers import WorkerPool, worker_count, worker_spec
 
-EXIT_OK, EXIT_ERROR, EXIT_REFUSED = 0, 1, 2
 # The one text of the exit codes: `hsx extract --help` prints it (cli.exit_codes_help).
 EXIT_CODES = {
-    EXIT_OK: "complete: every planned sample stored, or dropped by policy (no supervised token "
+    ExitCode.OK: "complete: every planned sample stored, or dropped by policy (no supervised token "
              "after truncation: nothing to train on; counted in the summary)",
-    EXIT_ERROR: "run failed: stopped on an error (rerun the same command to resume), or finished "
+    ExitCode.FAILED: "run failed: stopped on an error (rerun the same command to resume), or finished "
                 "with failed samples (the corpus holds the others; --retry-failed retries them)",
-    EXIT_REFUSED: "refused before any work: usage, no usable input rows, settings differ from the plan, "
+    ExitCode.REFUSED: "refused before any work: usage, no usable input rows, settings differ from the plan, "
                   "pre-flight against the servers' /info (layers, draft vocab, max length, chat "
                   "template), dir locked or not writable, disk too small, auth",
-    EXIT_INTERRUPTED: "interrupted (rerun the same command to resume)",
+    ExitCode.INTERRUPTED: "interrupted (rerun the same command to resume)",
 }
 
 
@@ -87,6 +88,7 @@ class ExtractConfig:
     max_samples: int | None = None
     states: str | None = None  # all | none (speculators' token table only)
     dtype: str | None = None  # auto | fp8
+    draft: str | None = None  # eagle3 | peagle | dflash | dspark | mtp | domino (client/corpus/drafts.py)
     # This run.
     resume: bool = False
     verify: bool = False
@@ -152,21 +154,21 @@ class Extractor:
             created, lock_existed = store.first_missing(out), (out / store.LOCK_NAME).exists()
             lock = journal.DirLock(out).acquire("hsx extract")
         except store.StoreError as exc:
-            return ExtractResult(EXIT_REFUSED, "refused", {"message": str(exc)})
+            return ExtractResult(ExitCode.REFUSED, "refused", {"message": str(exc)})
         try:
             result = await self._run_locked()
         except (ConfigError, store.StoreError) as exc:
-            result = ExtractResult(EXIT_REFUSED, "refused", {"message": str(exc)})
+            result = ExtractResult(ExitCode.REFUSED, "refused", {"message": str(exc)})
         except AuthenticationError as exc:
-            result = ExtractResult(EXIT_REFUSED, "refused", {"message": f"authentication failed: {exc}"})
+            result = ExtractResult(ExitCode.REFUSED, "refused", {"message": f"authentication failed: {exc}"})
         except ServersUnreachableError as exc:
-            result = ExtractResult(EXIT_ERROR, "error", {"message": exc.message})
+            result = ExtractResult(ExitCode.FAILED, "error", {"message": exc.message})
         except RetriesExhaustedError as exc:
-            result = ExtractResult(EXIT_ERROR, "error", {"message": f"servers unreachable: {exc}"})
+            result = ExtractResult(ExitCode.FAILED, "error", {"message": f"servers unreachable: {exc}"})
         except HsxError as exc:
-            result = ExtractResult(EXIT_ERROR, "error", {"message": str(exc)})
+            result = ExtractResult(ExitCode.FAILED, "error", {"message": str(exc)})
         except OSError as exc:  # a full disk, a read-only remount mid-run: one line, resumable
-            result = ExtractResult(EXIT_ERROR, "error", {
+            result = ExtractResult(ExitCode.FAILED, "error", {
                 "message": f"{exc.strerror or exc}{': ' + exc.filename if exc.filename else ''} "
                            "(fix it, then rerun the same command to resume)"})
         if not (out / store.PLAN_NAME).exists():  # refused before its plan: leave DIR as it was
@@ -269,7 +271,7 @@ class Extractor:
                     progress.write(f"{redo} stored sample(s) were missing or broken; redoing them")
                 if disk is not None and not disk.ok:
                     progress.write(
-                        f"warning: need ~{store.fmt_bytes(disk.needed)}, {store.fmt_bytes(disk.free)} free (--force-disk)"
+                        f"warning: need ~{fmt_bytes(disk.needed)}, {fmt_bytes(disk.free)} free (--force-disk)"
                     )
                 state = RunState(
                     client=client, fmt=fmt, ctx=ctx, out=out, settings=settings,
@@ -362,17 +364,17 @@ class Extractor:
         }
         if state.fatal is not None:
             summary.update(status="error", message=f"stopped: {state.fatal} (rerun the same command to resume)")
-            return ExtractResult(EXIT_ERROR, "error", summary)
+            return ExtractResult(ExitCode.FAILED, "error", summary)
         if state.stopping:
             summary.update(status="interrupted", message="interrupted; rerun the same command to resume")
-            return ExtractResult(EXIT_INTERRUPTED, "interrupted", summary)
+            return ExtractResult(ExitCode.INTERRUPTED, "interrupted", summary)
         if remaining:
             summary.update(status="error", message=f"{remaining} sample(s) not done; rerun to resume")
-            return ExtractResult(EXIT_ERROR, "error", summary)
+            return ExtractResult(ExitCode.FAILED, "error", summary)
         if not done:
             summary.update(status="error", message=f"no sample could be stored ({len(failed)} failed, {len(dropped)} "
                                                    f"dropped: reasons above; each is in {out / store.FAILED_NAME})")
-            return ExtractResult(EXIT_ERROR, "error", summary)
+            return ExtractResult(ExitCode.FAILED, "error", summary)
         if (out / store.CORPUS_NAME).exists():  # finished earlier; nothing changed
             corpus = json.loads((out / store.CORPUS_NAME).read_text())
             summary.update(status="complete", corpus=str(out / store.CORPUS_NAME),
@@ -386,20 +388,20 @@ class Extractor:
                 summary.update(status="error", message=(
                     f"finalize failed: {exc.strerror or exc}{': ' + exc.filename if exc.filename else ''}; "
                     "every stored sample is kept: fix it, then rerun the same command to finish"))
-                return ExtractResult(EXIT_ERROR, "error", summary)
+                return ExtractResult(ExitCode.FAILED, "error", summary)
             except ValueError as exc:  # the format's CorpusFormatError: e.g. a repair that changed the sample set
                 summary.update(status="error", message=(
                     f"finalize failed: {exc}; every stored sample is kept (see {out / store.FAILED_NAME} for samples "
                     "that failed), rerun the same command to retry"))
-                return ExtractResult(EXIT_ERROR, "error", summary)
+                return ExtractResult(ExitCode.FAILED, "error", summary)
             summary.update(status="complete", corpus=str(out / store.CORPUS_NAME),
                            tokens=corpus["counts"]["tokens"], finalize_s=round(time.monotonic() - t, 3))
         if failed:  # a corpus, but smaller than planned: not a success
             summary.update(status="complete_with_failures", message=(
                 f"the corpus holds {len(done)} of {n} planned samples; {len(failed)} failed (reasons above; each "
                 f"in {out / store.FAILED_NAME}); fix the cause and rerun with --retry-failed to add them"))
-            return ExtractResult(EXIT_ERROR, "complete_with_failures", summary)
-        return ExtractResult(EXIT_OK, "complete", summary)
+            return ExtractResult(ExitCode.FAILED, "complete_with_failures", summary)
+        return ExtractResult(ExitCode.OK, "complete", summary)
 
     async def _check_servers_agree(self, client: HsxClient, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Every answering server's /info (a server that never answers is set aside and
@@ -434,6 +436,6 @@ def run_extract(cfg: ExtractConfig, hooks: Hooks | None = None, *, transport: An
 
 
 __all__ = [
-    "EXIT_CODES", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REFUSED", "ConfigError", "ExtractConfig", "ExtractResult",
+    "EXIT_CODES", "ConfigError", "ExtractConfig", "ExtractResult",
     "Extractor", "Hooks", "default_hooks", "format_summary", "run_extract", "verify_corpus",
 ]

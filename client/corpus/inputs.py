@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,7 @@ def _iter_hf(ds: Any) -> Iterator[tuple[int, Any, str | None]]:
         yield i, row, None
 
 
-def _open_source(spec: str) -> tuple[str, Iterator[tuple[int, Any, str | None]]]:
+def open_source(spec: str) -> tuple[str, Iterator[tuple[int, Any, str | None]]]:
     """Return (name, row iterator) for one input spec; missing inputs raise."""
     if spec.startswith("hf:"):
         rest = spec[3:]
@@ -279,6 +279,15 @@ def _alpaca_messages(row: dict) -> list[dict]:
     return msgs
 
 
+# The public reader of each chat row kind (`row_kind`'s names): its messages and tools
+# (RowProblem when unusable).
+CHAT_READERS: dict[str, Callable[[dict], tuple[list[dict], list | None]]] = {
+    "openai": lambda row: (_openai_messages(row["messages"]), _parse_tools(row.get("tools"))),
+    "sharegpt": lambda row: (_sharegpt_messages(row["conversations"], row.get("system")), _parse_tools(row.get("tools"))),
+    "alpaca": lambda row: (_alpaca_messages(row), None),
+}
+
+
 def _pretokenized(row: dict) -> dict:
     ids, mask = row["input_ids"], row.get("loss_mask")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
@@ -308,7 +317,8 @@ def _chat_samples(name: str, n: int, source: str, msgs: list[dict], tools: list 
     ]
 
 
-def _classify(row: Any) -> str:
+def row_kind(row: Any) -> str:
+    """The kind of one input row (module doc), first match wins; RowProblem when none fits."""
     if not isinstance(row, dict):
         raise RowProblem(f"row is a {type(row).__name__}, not an object")
     present = {k for k, v in row.items() if v is not None}
@@ -365,7 +375,7 @@ def read_samples(
         return max_samples is not None and len(samples) >= max_samples
 
     for spec, b in zip(paths, base):
-        name, rows = _open_source(spec)
+        name, rows = open_source(spec)
         if b in clash:
             name = spec
         for n, row, err in rows:
@@ -376,7 +386,7 @@ def read_samples(
                 bad.append(BadRow(source, str(err), getattr(err, "kind", "invalid_json")))
                 continue
             try:
-                kind = _classify(row)
+                kind = row_kind(row)
                 if kind == "pretokenized":
                     samples.append(Sample(f"{name}:{n}", source, _pretokenized(row)))
                 elif kind in ("prompt", "text"):
@@ -399,13 +409,7 @@ def read_samples(
                         new = recorded_samples(name, n, source, row["hsx_turns"], mask_policy)
                         samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
                         continue
-                    if kind == "openai":
-                        msgs, tools = _openai_messages(row["messages"]), _parse_tools(row.get("tools"))
-                    elif kind == "sharegpt":
-                        msgs = _sharegpt_messages(row["conversations"], row.get("system"))
-                        tools = _parse_tools(row.get("tools"))
-                    else:
-                        msgs, tools = _alpaca_messages(row), None
+                    msgs, tools = CHAT_READERS[kind](row)
                     new = _chat_samples(name, n, source, msgs, tools, mask_policy)
                     samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
             except RowProblem as exc:

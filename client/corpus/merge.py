@@ -57,6 +57,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from hsx.exit_codes import ExitCode
 from hsx import __version__ as hsx_version
 from hsx.host import usable_cores
 
@@ -70,7 +71,6 @@ from hsx_client.corpus.plan import PLAN_VERSION, split_dropped
 from hsx_client.corpus.provenance import files_digest
 from hsx_client.corpus.verify import renumbered_path
 
-EXIT_OK, EXIT_ERROR, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
 FAULT_ENV = "HSX_FAULT_MERGE"
 BATCH = 64  # samples placed between two manifest commits
 
@@ -179,19 +179,19 @@ class Merger:
         try:
             lock = journal.DirLock(self.out).acquire("hsx merge")
         except store.StoreError as exc:
-            return MergeResult(EXIT_REFUSED, "refused", {"problems": [str(exc)]})
+            return MergeResult(ExitCode.REFUSED, "refused", {"problems": [str(exc)]})
         try:
             summary = self._run_locked()
         except MergeRefused as exc:
-            return MergeResult(EXIT_REFUSED, "refused", {"problems": exc.problems})
+            return MergeResult(ExitCode.REFUSED, "refused", {"problems": exc.problems})
         except (MergeError, OSError) as exc:
-            return MergeResult(EXIT_ERROR, "error", {"message": f"{exc} (rerun the same command to resume)"})
+            return MergeResult(ExitCode.FAILED, "error", {"message": f"{exc} (rerun the same command to resume)"})
         except KeyboardInterrupt:
-            return MergeResult(EXIT_INTERRUPTED, "interrupted", {"message": "interrupted; rerun to resume"})
+            return MergeResult(ExitCode.INTERRUPTED, "interrupted", {"message": "interrupted; rerun to resume"})
         finally:
             lock.release()
         summary["seconds"] = round(time.monotonic() - t0, 3)
-        return MergeResult(EXIT_OK, "complete", summary)
+        return MergeResult(ExitCode.OK, "complete", summary)
 
     def _run_locked(self) -> dict[str, Any]:
         out = self.out

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any, Callable, TextIO
 
-from hsx_client.corpus.store import fmt_bytes
+from hsx.sizes import fmt_bytes
 
 
 def _short(url: str) -> str:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hsx.exit_codes import ExitCode
 from hsx.host import usable_cores
 from hsx_client.corpus import journal, store
 from hsx_client.api import HsxClient, RawResponse
@@ -63,7 +64,6 @@ from hsx_client.corpus.settings import CorpusSettings
 log = logging.getLogger("hsx.extract")
 
 STREAM_REDOS = 3  # a sample whose body broke off this often fails (server_error)
-EXIT_INTERRUPTED = 130
 
 
 class SampleEncodeError(Exception):
@@ -164,7 +164,7 @@ class StopSignals:
         self._count += 1
         if self._count > 1:
             print(f"\nhsx extract: second {signame}, exiting now (state stays resumable)", file=sys.stderr)
-            os._exit(EXIT_INTERRUPTED)
+            os._exit(ExitCode.INTERRUPTED)
         print(
             f"\nhsx extract: {signame}: finishing stores in progress, then exiting (again to exit at once)",
             file=sys.stderr,

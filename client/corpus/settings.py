@@ -30,6 +30,7 @@ class CorpusSettings(BaseModel):
     max_samples: int | None = None
     states: Literal["all", "none"] = "all"  # none: the token table only (online training; formats/speculators_variants.py)
     dtype: Literal["auto", "fp8"] = "auto"  # fp8: states stored as fp8 with per-token scales
+    draft: str = "eagle3"  # the draft the corpus trains (client/corpus/drafts.py): its layers and records
 
     @classmethod
     def saved(cls, settings: dict[str, Any]) -> CorpusSettings:
@@ -53,6 +54,8 @@ class CorpusSettings(BaseModel):
                 diffs.append(f"--{k.replace('_', '-')}: the plan has {saved[k]!r}, this run asks {v!r}")
             elif v is not None and k in saved and saved[k] is None and v != defaults[k]:
                 diffs.append(f"--{k.replace('_', '-')}: the plan has none, this run asks {v!r}")
+            elif v is not None and k not in saved and v != defaults[k]:  # a plan from before the setting
+                diffs.append(f"--{k.replace('_', '-')}: the plan has the default {defaults[k]!r}, this run asks {v!r}")
         if diffs:
             raise ConfigError(
                 f"{out} holds a run made with other settings; resume with the same flags or use a "

@@ -42,6 +42,8 @@ from typing import Any, Callable
 
 import xxhash
 
+from hsx.sizes import fmt_bytes
+
 TMP_MARK = ".hsx-tmp-"
 LOCK_NAME = ".lock"
 PLAN_NAME = "plan.json"
@@ -487,11 +489,3 @@ def check_disk_space(root: Path, needed_bytes: int, *, force: bool = False, marg
             "--max-samples/--max-length, or pass --force-disk to run anyway"
         )
     return est
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} PB"

@@ -7,9 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from hsx_client.corpus import inputs as _in
-from hsx_client.corpus.inputs import BadRow
-from hsx_client.corpus.rows import RowProblem
+from hsx_client.corpus.inputs import CHAT_READERS, open_source, row_kind
+from hsx_client.corpus.rows import BadRow, RowProblem
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,7 @@ def read_conversations(paths: list[str], bad_rows: list[BadRow]) -> list[Convers
     clash = {b for b in base if base.count(b) > 1}
     out: list[Conversation] = []
     for spec, b in zip(paths, base):
-        name, rows = _in._open_source(spec)
+        name, rows = open_source(spec)
         if b in clash:
             name = spec
         for n, row, err in rows:
@@ -46,13 +45,9 @@ def read_conversations(paths: list[str], bad_rows: list[BadRow]) -> list[Convers
 
 
 def _messages(row: Any) -> tuple[list[dict], list | None]:
-    kind = _in._classify(row)
-    if kind == "openai":
-        return _in._openai_messages(row["messages"]), _in._parse_tools(row.get("tools"))
-    if kind == "sharegpt":
-        return _in._sharegpt_messages(row["conversations"], row.get("system")), _in._parse_tools(row.get("tools"))
-    if kind == "alpaca":
-        return _in._alpaca_messages(row), None
+    kind = row_kind(row)
+    if kind in CHAT_READERS:
+        return CHAT_READERS[kind](row)
     if kind in ("prompt", "text"):
         text = row[kind]
         if not isinstance(text, str) or not text.strip():

@@ -16,18 +16,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hsx.exit_codes import ExitCode
 from hsx import __version__ as hsx_version
-from hsx_client.api import HsxClient
-from hsx_client.settings import ClientSettings
-from hsx_client.errors import AuthenticationError, BadRequestError, HsxError
-from hsx_client.corpus.inputs import BadRow
+from hsx_client import AuthenticationError, BadRequestError, ClientSettings, HsxClient, HsxError
+from hsx_client.corpus.rows import BadRow
 
 from .conversations import Conversation, read_conversations
 from .journal import Journal
 from .mix import describe
 from .turns import ContextFull, NoTokenIds, Sampling, regenerate, reply_of, request_body
 
-EXIT_OK, EXIT_FAILED, EXIT_REFUSED, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 @dataclass
@@ -75,20 +73,20 @@ async def run_regenerate(cfg: RegenConfig) -> RegenResult:
     try:
         conversations = select(read_conversations(cfg.inputs, bad), cfg)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
-        return RegenResult(EXIT_REFUSED, {"error": str(exc)})
+        return RegenResult(ExitCode.REFUSED, {"error": str(exc)})
     if not conversations:
         reasons = Counter(b.kind for b in bad)
-        return RegenResult(EXIT_REFUSED, {"error": f"no usable conversation in the inputs (bad rows: {dict(reasons)})",
+        return RegenResult(ExitCode.REFUSED, {"error": f"no usable conversation in the inputs (bad rows: {dict(reasons)})",
                                           "bad_rows": len(bad)})
     refusal = await preflight(cfg)
     if refusal is not None:  # before any work: no plan written, nothing locked
-        return RegenResult(EXIT_REFUSED, {"error": refusal})
+        return RegenResult(ExitCode.REFUSED, {"error": refusal})
     journal = Journal(cfg.output)
     try:
         journal.open(plan_of(cfg, conversations))
     except Exception as exc:  # locked, plan mismatch, not writable
         journal.close()
-        return RegenResult(EXIT_REFUSED, {"error": str(exc)})
+        return RegenResult(ExitCode.REFUSED, {"error": str(exc)})
     try:
         return await _run(cfg, conversations, journal, bad)
     finally:
@@ -107,6 +105,9 @@ async def preflight(cfg: RegenConfig) -> str | None:
         cfg.sampling.for_variant(v) for v in cfg.sampling.mix]
     client = HsxClient.from_settings(cfg.client, transport=cfg.transport)
     async with client:
+        no_room = await _max_tokens_past_context(client, settings)
+        if no_room is not None:
+            return no_room
         for sampling in settings:
             body = request_body(PREFLIGHT_CHAT, None, replace(sampling, max_tokens=1),
                                 sampling.conversation_seed("preflight"), 0)
@@ -124,6 +125,25 @@ async def preflight(cfg: RegenConfig) -> str | None:
             except HsxError:
                 return None
     return None
+
+
+async def _max_tokens_past_context(client: HsxClient, settings: list[Sampling]) -> str | None:
+    """The line refusing a max_tokens that leaves no room for any prompt in the server's
+    context (every conversation would be dropped, the run would store nothing); None when
+    each fits, or when the server does not list a max_model_len."""
+    largest = max((s.max_tokens for s in settings if s.max_tokens is not None), default=None)
+    if largest is None:
+        return None
+    try:
+        lengths = [m.get("max_model_len") for m in (await client.models()).get("data", [])]
+    except (HsxError, AttributeError):
+        return None
+    context = min((n for n in lengths if isinstance(n, int)), default=None)
+    if context is None or largest < context:
+        return None
+    return (f"--max-tokens {largest} leaves no room for a prompt in the server's context of {context} tokens "
+            f"(max_model_len): every conversation would be dropped; give --max-tokens below {context}, or leave "
+            "it out (each turn then gets the room left); nothing was generated or locked")
 
 
 async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Journal,
@@ -243,10 +263,10 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
     }
     if refused:
         summary["error"] = str(refused[0])
-        return RegenResult(EXIT_REFUSED, summary)
+        return RegenResult(ExitCode.REFUSED, summary)
     if interrupted:
-        return RegenResult(EXIT_INTERRUPTED, summary)
-    return RegenResult(EXIT_OK if manifest["complete"] else EXIT_FAILED, summary)
+        return RegenResult(ExitCode.INTERRUPTED, summary)
+    return RegenResult(ExitCode.OK if manifest["complete"] else ExitCode.FAILED, summary)
 
 
 def output_counts(keys: list[str], done: dict[str, Any]) -> dict[str, int]:
@@ -266,7 +286,7 @@ async def _server_info(client: HsxClient) -> dict[str, Any]:
     except HsxError:
         pass
     try:
-        models = await client._pool.with_retries(lambda s, rid: client._get_json(s, "/v1/models", rid), None)
+        models = await client.models()
         return {"model": (models.get("data") or [{}])[0].get("id")}
     except HsxError:
         return {}

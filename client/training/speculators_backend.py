@@ -48,8 +48,8 @@ import numpy as np
 import torch
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
-from hsx_client.errors import (AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError,
-                               ServersUnreachableError)
+from hsx_client import (AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError,
+                        ServersUnreachableError)
 from hsx_client.settings import DEFAULTS, TRANSFERS
 
 log = logging.getLogger("hsx.speculators")
@@ -109,7 +109,7 @@ def settings_from_args(args: argparse.Namespace, data_path: str) -> HsxSettings:
 
 async def _receive(stream: Any) -> tuple[torch.Tensor, Any]:
     """A sample stream's states in one new tensor (each chunk copied into its rows) and its head."""
-    from hsx_client.sample_stream import states_layout
+    from hsx_client import states_layout
 
     layout = await states_layout(stream)
     hs = torch.empty(layout.shape, dtype=layout.dtype)
@@ -136,7 +136,7 @@ class _Runtime:
     def __init__(self, s: HsxSettings) -> None:
         from datasets import load_from_disk
 
-        from hsx_client.api import HsxClient
+        from hsx_client import HsxClient
 
         self.pid = os.getpid()
         self.table = load_from_disk(s.data_path).with_format("numpy", columns=["input_ids"])

@@ -29,12 +29,24 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hsx.exit_codes import ExitCode
+
 DEVICES = ("auto", "cpu")
 
 
 # What speculators' defaults need that a CPU lacks (a Triton loss, flex attention): set
 # with --device cpu unless given.
 CPU_DEFAULTS = {"--loss-implementation": "eager", "--draft-attn-impl": "sdpa"}
+
+
+# Drafts whose attention speculators fixes (models/mtp: "--draft-attn-impl is not configurable for MTP").
+FIXED_ATTENTION = ("mtp",)
+
+
+def _speculator_type(argv: list[str]) -> str | None:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--speculator-type")
+    return p.parse_known_args(argv)[0].speculator_type
 
 
 def _split_device(argv: list[str]) -> tuple[str, list[str]]:
@@ -44,7 +56,10 @@ def _split_device(argv: list[str]) -> tuple[str, list[str]]:
     ours, rest = p.parse_known_args(argv)
     if ours.device == "cpu":
         given = {a.split("=", 1)[0] for a in rest}
-        rest += [x for flag, value in CPU_DEFAULTS.items() if flag not in given for x in (flag, value)]
+        defaults = dict(CPU_DEFAULTS)
+        if _speculator_type(rest) in FIXED_ATTENTION:  # speculators refuses the flag for these
+            defaults.pop("--draft-attn-impl")
+        rest += [x for flag, value in defaults.items() if flag not in given for x in (flag, value)]
     return ours.device, rest
 
 
@@ -75,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             speculators_backend.settings_from_args(argparse.Namespace(**cfg.flatten()), cfg.data.data_path)
         except ValueError as exc:
             print(f"hsx_client.training.speculators_train: {exc}", file=sys.stderr)
-            return 2
+            return ExitCode.REFUSED
     if device == "cpu":
         use_cpu()
     else:
@@ -84,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.accelerator.is_available():
             print("hsx_client.training.speculators_train: no GPU (accelerator) found; speculators' trainer needs one. "
                   "Add --device cpu to try it on the CPU (slow)", file=sys.stderr)
-            return 2
+            return ExitCode.REFUSED
     train(cfg)
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

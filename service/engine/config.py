@@ -14,7 +14,7 @@ from hsx.layers import default_layers
 from hsx_service.engine import vllm_compat
 from hsx_service.engine.arena import SharedArena
 from hsx_service.engine.cpu_threads import bind_cpu_workers, reserve_cores_as_without_connector
-from hsx_service.http.errors import StartupError
+from hsx_service.core.errors import StartupError
 from hsx_service.settings import ServiceSettings
 
 log = logging.getLogger("hsx.engine")

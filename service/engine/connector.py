@@ -98,7 +98,7 @@ class PendingSave:
     num_tokens: int
     offset: int
     nbytes: int
-    layer_index: list[int]  # positions within the captured layers, ascending
+    layer_positions: list[int]  # positions within the captured layers, ascending
     last_step: int = -1  # the last step the request was scheduled in (-1: unknown)
     chunks: dict | None = None  # a chunked save's ChunkPlan (chunks.py); None: the whole range
 
@@ -244,7 +244,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
             num_tokens=num_tokens,
             offset=int(params["offset"]),
             nbytes=int(params["nbytes"]),
-            layer_index=list(params["layers"]),
+            layer_positions=list(params["layer_positions"]),
             last_step=last_step,
             chunks=params.get(CHUNKS_KEY),
         )
@@ -332,7 +332,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
     def _gather(self, save: PendingSave) -> torch.Tensor:
         assert self._kv_cache is not None
         slots = hidden_cache.slot_ids(save.block_ids, self._block_size, save.num_tokens)
-        return hidden_cache.gather(self._kv_cache, slots, self._block_axis, save.layer_index)  # [T, L, H]
+        return hidden_cache.gather(self._kv_cache, slots, self._block_axis, save.layer_positions)  # [T, L, H]
 
     def _destination(self, save: PendingSave, like: torch.Tensor) -> torch.Tensor:
         assert self._arena is not None
@@ -431,7 +431,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         info = {"chunk": index, "slot": slot}
 
         def gather_into() -> torch.Tensor:
-            states = hidden_cache.gather(self._kv_cache, slots[start:stop], self._block_axis, save.layer_index)
+            states = hidden_cache.gather(self._kv_cache, slots[start:stop], self._block_axis, save.layer_positions)
             if states.numel() * states.element_size() != nbytes:
                 raise ValueError(f"hsx: chunk states are {tuple(states.shape)}, the slot holds {nbytes} bytes")
             dest = torch.frombuffer(self._arena.view[offset : offset + nbytes], dtype=states.dtype).view(states.shape)

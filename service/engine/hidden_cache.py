@@ -45,14 +45,14 @@ def slot_ids(block_ids: list[int], block_size: int, num_tokens: int) -> torch.Te
     return slots[:num_tokens]
 
 
-def gather(kv_cache: torch.Tensor, slots: torch.Tensor, block_axis: int, layer_index: list[int]) -> torch.Tensor:
-    """[T, len(layer_index), hidden] for the given slots and captured-layer positions: one
+def gather(kv_cache: torch.Tensor, slots: torch.Tensor, block_axis: int, layer_positions: list[int]) -> torch.Tensor:
+    """[T, len(layer_positions), hidden] for the given slots and captured-layer positions: one
     indexing kernel, only the requested layers read."""
     block = kv_cache.shape[block_axis]
     slots = slots.to(kv_cache.device, non_blocking=True)
     blk = (slots // block)[:, None]
     off = (slots % block)[:, None]
-    layers = torch.tensor(layer_index, dtype=torch.long).to(kv_cache.device, non_blocking=True)[None, :]
+    layers = torch.tensor(layer_positions, dtype=torch.long).to(kv_cache.device, non_blocking=True)[None, :]
     if block_axis == 2:
         return kv_cache[blk, layers, off]
     return kv_cache[blk, off, layers]

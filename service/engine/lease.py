@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from hsx.protocol.lease import SendReport
 from hsx.wire import boot_id
 from hsx_service.engine.arena import Reservation
-from hsx_service.http.auth import key_matches
+from hsx_service.core.keys import key_matches
 
 log = logging.getLogger("hsx.lease")
 
@@ -108,7 +108,7 @@ class Leases:
     def __init__(self, timeout: float, on_end: Callable[[str], None] | None = None, per_session: int = 64,
                  arena_bytes: int | None = None):
         self.timeout = timeout
-        self._on_end = on_end  # called with the outcome: released, expired or unsent
+        self._on_end = on_end  # called with the outcome (see release)
         self._live: dict[str, _Lease] = {}
         self.per_session = per_session
         self.client_bytes_max = None if arena_bytes is None else int(arena_bytes * CLIENT_ARENA_SHARE)
@@ -174,8 +174,8 @@ class Leases:
 
     def release(self, lease_id: str, outcome: str = "released", detail: SendReport | None = None) -> bool:
         """End a lease; True when it was live (for a client's release: its read was valid).
-        `outcome` is what ended it: released (by the client), expired, or unsent (the
-        response carrying it never left). `detail`: an HTTP worker's report."""
+        `outcome` is what ended it: released (by the client), expired, unsent (the
+        response carrying it never left), client_gone or shutdown. `detail`: an HTTP worker's report."""
         lease = self._live.pop(lease_id, None)
         if lease is None:
             return False
@@ -193,8 +193,11 @@ class Leases:
         return True
 
     def end_all(self) -> None:
-        for lease_id in list(self._live):
-            self.release(lease_id, "expired")
+        """The drain's cut-off: every live lease ends now, counted as `shutdown` (not as
+        expired: no client outlived its --lease-timeout)."""
+        ended = [lease_id for lease_id in list(self._live) if self.release(lease_id, "shutdown")]
+        if ended:
+            log.warning("shutdown: %d leases ended at the drain's cut-off (--shutdown-timeout)", len(ended))
 
 
 def key_may_lease(key: bytes, keys: list[bytes], lease_keys: list[bytes]) -> bool:

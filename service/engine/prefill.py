@@ -25,7 +25,7 @@ from hsx_service.engine.engine_stats import EngineStats
 from hsx_service.engine import vllm_compat
 from hsx_service.engine.notices import Notices
 from hsx_service.engine.window import ChunkFailed, StreamWindow
-from hsx_service.http.errors import (BadInput, EngineFailure, EngineTimeout, Overloaded, ServiceError, StartupError,
+from hsx_service.core.errors import (BadInput, EngineFailure, EngineTimeout, Overloaded, ServiceError, StartupError,
                                     TooLarge)
 from hsx_service.settings import ServiceSettings
 
@@ -52,7 +52,7 @@ def engine_error(exc: BaseException, timeout: float) -> ServiceError | None:
         return BadInput(f"vLLM refused the input: {exc}")
     if isinstance(exc, asyncio.TimeoutError):
         return EngineTimeout(f"the engine did not finish within {timeout:.0f}s")
-    if type(exc).__name__ in ("EngineDeadError", "EngineGenerateError"):
+    if isinstance(exc, vllm_compat.engine_failures()):
         return EngineFailure("the engine failed while serving this request")
     return None
 
@@ -186,7 +186,7 @@ class PrefillEngine:
             ) from exc
 
     async def extract(
-        self, token_ids: list[int], layer_index: list[int], reservation: "Reservation | StreamWindow",
+        self, token_ids: list[int], layer_positions: list[int], reservation: "Reservation | StreamWindow",
         request_id: str, timeout: float | None = None, prompt: Any = None,
     ) -> dict:
         """Prefill `token_ids` into the reserved range; returns the phase timings. The
@@ -199,7 +199,7 @@ class PrefillEngine:
 
         assert self.notices is not None
         if isinstance(reservation, StreamWindow):
-            return await self._extract_chunked(token_ids, layer_index, reservation, request_id, timeout, prompt)
+            return await self._extract_chunked(token_ids, layer_positions, reservation, request_id, timeout, prompt)
         key = uuid.uuid4().hex
         notice = self.notices.expect(key)
         params = SamplingParams(
@@ -209,7 +209,7 @@ class PrefillEngine:
             extra_args={
                 "kv_transfer_params": {
                     KV_PARAMS_KEY: {"key": key, "offset": reservation.extent.offset, "nbytes": reservation.extent.nbytes,
-                            "layers": layer_index}
+                            "layer_positions": layer_positions}
                 }
             },
         )
@@ -226,7 +226,7 @@ class PrefillEngine:
             raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
         return msg["timing"]
 
-    async def _extract_chunked(self, token_ids: list[int], layer_index: list[int], window: StreamWindow,
+    async def _extract_chunked(self, token_ids: list[int], layer_positions: list[int], window: StreamWindow,
                                request_id: str, timeout: float | None, prompt: Any = None) -> dict:
         """`extract` of a sample larger than the stream window: returns once its first chunk
         has landed; the caller then takes the chunks (`StreamWindow.next_chunk`) and closes the
@@ -239,7 +239,7 @@ class PrefillEngine:
             max_tokens=1, temperature=0.0, detokenize=False,
             extra_args={"kv_transfer_params": {KV_PARAMS_KEY: {
                 "key": key, "offset": window.reservation.extent.offset, "nbytes": window.nbytes,
-                "layers": layer_index, CHUNKS_KEY: window.plan.to_params()}}},
+                "layer_positions": layer_positions, CHUNKS_KEY: window.plan.to_params()}}},
         )
         def close(exc: BaseException, prefill: asyncio.Task) -> None:
             window.close()  # cancels the copies; the window is freed on the worker's end notice

@@ -96,6 +96,14 @@ def input_refusals() -> tuple[type[Exception], ...]:
     return (ValueError, VLLMValidationError)
 
 
+def engine_failures() -> tuple[type[Exception], ...]:
+    """What AsyncLLM raises when the engine itself failed a request or died
+    (vllm.v1.engine.exceptions in 0.26 - 0.33); matched by type, never by name."""
+    from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+    return (EngineDeadError, EngineGenerateError)
+
+
 def is_cpu_backend() -> bool:
     return backend() == "cpu"
 

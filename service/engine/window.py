@@ -26,13 +26,9 @@ log = logging.getLogger("hsx.window")
 class ChunkFailed(Exception):
     """The worker ended the save before this chunk (an engine failure or a cancel)."""
 
-    status = 502
-
 
 class ChunkCut(ChunkFailed):
     """The server stopped waiting for this save's chunks (the drain's --shutdown-timeout)."""
-
-    status = 503
 
 
 @dataclass(frozen=True)

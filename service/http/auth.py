@@ -1,9 +1,7 @@
-"""API keys: the Bearer token of a request and the comparison against the accepted keys,
-shared by the HTTP guard (guard.py), the routes (app.py) and the arena socket (lease.py)."""
+"""The Bearer token of a request (RFC 6750), read by the guard (guard.py) and the routes
+(state.py); the key comparison itself is core.keys."""
 
 from __future__ import annotations
-
-import hmac
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -11,11 +9,3 @@ def bearer_token(authorization: str | None) -> str | None:
     the token ignored); None for another scheme or no header."""
     scheme, _, token = (authorization or "").strip().partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
-
-
-def key_matches(given: bytes, keys: list[bytes]) -> bool:
-    """Compare against every key (no early exit), each in constant time."""
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(given, key)
-    return ok

@@ -34,7 +34,7 @@ import time
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from hsx_service.http.metrics import Metrics
+from hsx_service.core.metrics import Metrics
 from hsx_service.settings import ServiceSettings
 
 log = logging.getLogger("hsx.connections")

@@ -1,4 +1,5 @@
-"""Errors the service raises on purpose, and the one table mapping them to HTTP.
+"""The one place the service's errors (core/errors.py) become HTTP answers: the STATUS
+table and `render`.
 
 Every error answer is JSON: {"error": {"type", "message", "request_id"}}. 5xx
 messages never carry internals (tracebacks go to the log only).
@@ -13,87 +14,41 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hsx_service.http.metrics import Metrics
+from hsx_service.core.errors import (BadInput, BodyTimeout, ClientGone, Draining, EngineFailure, EngineTimeout,
+                                    HeadersTooLarge, LeaseGone, NoSupervisedTokens, NotAvailable, NotFound, NotReady,
+                                    Overloaded, ServiceError, TooLarge, Unauthorized, UnsupportedMedia)
+from hsx_service.core.metrics import Metrics
 
 log = logging.getLogger("hsx.errors")
 
 
-class StartupError(RuntimeError):
-    """The server cannot start with these settings; the message says why."""
+# The one map from a domain error (core/errors.py) to its HTTP status; a subclass takes
+# its nearest listed base's.
+STATUS: dict[type[ServiceError], int] = {
+    ServiceError: 500,
+    BadInput: 400,
+    Unauthorized: 401,
+    NotFound: 404,
+    ClientGone: 499,  # nginx's "client closed request": counted, never read
+    LeaseGone: 410,
+    BodyTimeout: 408,
+    TooLarge: 413,
+    UnsupportedMedia: 415,
+    NoSupervisedTokens: 422,
+    HeadersTooLarge: 431,
+    EngineFailure: 500,
+    NotAvailable: 501,
+    Overloaded: 503,
+    Draining: 503,
+    NotReady: 503,
+    EngineTimeout: 504,
+}
+# Headers an answer must carry for its status (RFC 6750: a 401 names the scheme).
+CHALLENGE: dict[type[ServiceError], dict[str, str]] = {Unauthorized: {"WWW-Authenticate": "Bearer"}}
 
 
-class ServiceError(Exception):
-    """An answer the service gives on purpose. `reason` labels a refusal (503, 408, 413,
-    431) in `hsx_rejected_total` (every one sent is counted there, see `render`)."""
-
-    status = 500
-    type = "internal_error"
-    headers: dict[str, str] = {}
-
-    def __init__(self, message: str, *, retry_after: float | None = None, reason: str | None = None):
-        super().__init__(message)
-        self.message = message
-        self.retry_after = retry_after
-        self.reason = reason or self.type
-
-
-class BadInput(ServiceError):
-    status, type = 400, "invalid_request"
-
-
-class NoSupervisedTokens(ServiceError):
-    """`require_supervised` and the (truncated) loss mask is all zero: nothing to train on."""
-
-    status, type = 422, "no_supervised_tokens"
-
-
-class TooLarge(ServiceError):
-    status, type = 413, "too_large"
-
-
-class BodyTimeout(ServiceError):
-    status, type = 408, "body_timeout"
-
-
-class HeadersTooLarge(ServiceError):
-    status, type = 431, "headers_too_large"
-
-
-class Unauthorized(ServiceError):
-    status, type = 401, "unauthorized"
-    headers = {"WWW-Authenticate": "Bearer"}
-
-
-class UnsupportedMedia(ServiceError):
-    status, type = 415, "unsupported_media_type"
-
-
-class LeaseGone(ServiceError):
-    status, type = 410, "lease_gone"
-
-
-class Overloaded(ServiceError):  # full: reason inflight, tokens or memory
-    status, type = 503, "overloaded"
-
-
-class Draining(ServiceError):
-    status, type = 503, "draining"
-
-
-class NotReady(ServiceError):  # reason loading, or engine_dead
-    status, type = 503, "not_ready"
-
-
-class EngineFailure(ServiceError):
-    status, type = 500, "engine_error"
-
-
-class EngineTimeout(ServiceError):
-    status, type = 504, "timeout"
-
-
-class NotAvailable(ServiceError):
-    status, type = 501, "not_available"
+def status_of(exc: ServiceError) -> int:
+    return next(STATUS[cls] for cls in type(exc).__mro__ if cls in STATUS)
 
 
 REFUSALS = (408, 413, 431, 503)  # answers that turn a request away for its size, pace or the load
@@ -109,17 +64,18 @@ def _json_error(status: int, type_: str, message: str, request_id: str | None, h
 def render(exc: ServiceError, request_id: str | None, metrics: Metrics | None) -> JSONResponse:
     """The one place a ServiceError becomes an HTTP answer (the app's handlers and the
     guard middleware both call it)."""
-    headers = dict(exc.headers)
+    status = status_of(exc)
+    headers = dict(next((h for cls, h in CHALLENGE.items() if isinstance(exc, cls)), {}))
     retry = exc.retry_after
-    if retry is None and exc.status == 503:
+    if retry is None and status == 503:
         retry = 1.0
     if retry is not None:
         headers["Retry-After"] = str(max(1, int(round(retry))))
-    if exc.status in REFUSALS and metrics is not None:
+    if status in REFUSALS and metrics is not None:
         metrics.rejected.labels(exc.reason).inc()
-    if exc.status >= 500:
+    if status >= 500:
         log.warning("%s: %s", exc.type, exc.message)
-    return _json_error(exc.status, exc.type, exc.message, request_id, headers)
+    return _json_error(status, exc.type, exc.message, request_id, headers)
 
 
 def _request_id(request: Request) -> str | None:

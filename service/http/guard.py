@@ -6,7 +6,7 @@ key on every path but the public ones, and for the POST routes with a JSON body
 --body-timeout, 408 beyond; at most --max-receiving being read at once) and then the
 admission gate's door: a client still sending holds no admission place; the ticket names the
 client (its key, else its address) for its fair share of the tokenizer processes. Every answer is
-counted in `hsx_http_responses_total{code}`. Refusals are the ServiceErrors of errors.py,
+counted in `hsx_http_responses_total{code}`. Refusals are the ServiceErrors of core/errors.py,
 rendered by errors.render like every other error answer.
 
 Public without a key: the probes (an orchestrator has no key) and the API's own
@@ -20,13 +20,15 @@ import asyncio
 import hashlib
 import uuid
 
-from hsx_service.http.admission import AdmissionGate
-from hsx_service.http.auth import bearer_token, key_matches
+from hsx_service.core.admission import AdmissionGate
+from hsx_service.core.keys import key_matches
+from hsx_service.http.auth import bearer_token
 from hsx_service.http.connections import PROBE_ONLY
 from hsx_service.http.docs import ASSET_PATHS
-from hsx_service.http.errors import (BodyTimeout, HeadersTooLarge, Overloaded, ServiceError, TooLarge, Unauthorized,
-                               UnsupportedMedia, render)
-from hsx_service.http.metrics import Metrics
+from hsx_service.core.errors import (BodyTimeout, HeadersTooLarge, Overloaded, ServiceError, TooLarge, Unauthorized,
+                                    UnsupportedMedia)
+from hsx_service.http.errors import render
+from hsx_service.core.metrics import Metrics
 from hsx_service.settings import ServiceSettings
 
 PROBE_PATHS = ("/health", "/ready", "/metrics")

@@ -49,14 +49,15 @@ from hsx.dtypes import BY_ST
 from hsx.protocol.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, ArenaMap, SendReport, ShmUnavailable, attach
 from hsx.wire import (LEASE_MEDIA_TYPE, LEASE_STREAM_MEDIA_TYPE, LeaseStreamReader, TensorSpec, WireFormatError,
                       check_body, lease_of)
-from hsx_service.http.admission import AdmissionGate
+from hsx_service.core.admission import AdmissionGate
 from hsx_service.body.encode import encode_body
 from hsx_service.body.compress import CompressPool
 from hsx_service.http.connections import protocol_for
 from hsx_service.http.disconnect import race_client
-from hsx_service.http.errors import EngineFailure, NotReady, ServiceError, render
+from hsx_service.core.errors import EngineFailure, NotReady, ServiceError
+from hsx_service.http.errors import render
 from hsx_service.http.guard import GuardMiddleware
-from hsx_service.http.metrics import Metrics
+from hsx_service.core.metrics import Metrics
 from hsx_service.body.negotiate import accepts_media, choose_coding
 from hsx_service.body.response import Stats
 from hsx_service.settings import ServiceSettings

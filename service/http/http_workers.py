@@ -22,7 +22,7 @@ import time
 
 from hsx.host import usable_cores
 from hsx_service.body.compress import default_threads
-from hsx_service.http.errors import StartupError
+from hsx_service.core.errors import StartupError
 from hsx_service.settings import ServiceSettings
 
 log = logging.getLogger("hsx.http_workers")

@@ -20,15 +20,16 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from hsx_service.engine import vllm_compat
 from hsx_service.engine.prefill import engine_error
 from hsx_service.http.disconnect import race_client
-from hsx_service.http.errors import BadInput, Draining, EngineFailure, NotAvailable, NotReady, StartupError
-from hsx_service.http.schema import ChatMessage, ErrorResponse, check_template_kwargs
-from hsx_service.text_bounds import check_text_bytes, is_long
+from hsx_service.core.errors import BadInput, ClientGone, Draining, EngineFailure, NotAvailable, NotReady, StartupError
+from hsx_service.core.schema import ChatMessage, check_template_kwargs
+from hsx_service.http.schema import ErrorResponse
+from hsx_service.text_bounds import check_message_count, check_text_bytes, is_long
 
 ROUTE = "/v1/chat/completions"
 
@@ -144,8 +145,7 @@ class Generator:
         service, facts = st.service, st.prefill.facts
         if body.model is not None and body.model not in (facts.served_model_name, facts.model):
             raise BadInput(f"model {body.model!r} is not served here; this server serves {facts.served_model_name!r}")
-        if len(body.messages) > st.settings.max_messages:
-            raise BadInput(f"{len(body.messages)} messages; this server takes at most {st.settings.max_messages}")
+        check_message_count(body.messages, st.settings.max_messages)  # 413, as on /hidden_states
         size = check_text_bytes(body, service.max_text_bytes)  # /hidden_states' bound (text_bounds.py)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         # A prompt past the context is refused once its tokenizing passes it (never tokenized whole).
@@ -236,7 +236,7 @@ def router() -> APIRouter:
             if st.cut_off.is_set():
                 raise Draining("the server shut down before this request finished (--shutdown-timeout)",
                                retry_after=5, reason="cut_off")
-            return Response(status_code=499)  # the client left
+            raise ClientGone("the client left before the answer")
         return work.result()
 
     return api

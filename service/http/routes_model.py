@@ -7,8 +7,9 @@ from fastapi.responses import Response
 
 from hsx.protocol import final_norm as final_norm_body
 from hsx.wire import MEDIA_TYPE
-from hsx_service.http.errors import NotAvailable
-from hsx_service.http.schema import HiddenStatesRequest, TokenizeResponse
+from hsx_service.core.errors import NotAvailable
+from hsx_service.core.schema import HiddenStatesRequest
+from hsx_service.http.schema import TokenizeResponse
 from hsx_service.http.state import BAD_INPUT, ERRORS, request_key, serving
 
 router = APIRouter()

@@ -12,10 +12,11 @@ from hsx.protocol.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, Sen
 from hsx.wire import LEASE_MEDIA_TYPE, MEDIA_TYPE
 from hsx_service.body.negotiate import accepts_media, choose_coding
 from hsx_service.engine.lease import LeaseTerms
-from hsx_service.http.admission import DRAIN_RETRY_AFTER
+from hsx_service.core.admission import DRAIN_RETRY_AFTER
 from hsx_service.http.disconnect import race_client
-from hsx_service.http.errors import Draining, LeaseGone, NotAvailable
-from hsx_service.http.schema import ErrorResponse, HiddenStatesRequest
+from hsx_service.core.errors import ClientGone, Draining, LeaseGone, NotFound
+from hsx_service.core.schema import HiddenStatesRequest
+from hsx_service.http.schema import ErrorResponse
 from hsx_service.http.state import BAD_INPUT, ERRORS, AppState, request_key, serving, state
 
 router = APIRouter()
@@ -54,7 +55,7 @@ async def hidden_states(body: HiddenStatesRequest, request: Request):
             st.exchanges.pop(exchange, None)
     if work.cancelled():  # aborted by the HTTP worker whose client left
         service.metrics.requests.labels("disconnected").inc()
-        return Response(status_code=499)
+        raise ClientGone("the request was aborted: its client left")
     if not work.done():
         # Cancelling aborts the engine request (or stops its tokenizer process) and frees its memory.
         work.cancel()
@@ -63,7 +64,7 @@ async def hidden_states(body: HiddenStatesRequest, request: Request):
             raise Draining("the server shut down before this request finished (--shutdown-timeout); "
                            "send it to another server", retry_after=DRAIN_RETRY_AFTER, reason="cut_off")
         service.metrics.requests.labels("disconnected").inc()
-        return Response(status_code=499)
+        raise ClientGone("the client left before the answer")
     reply = work.result()
     return _ReleasingStream(reply.stream, reply.close, media_type=reply.headers.pop("Content-Type"),
                             headers=reply.headers)
@@ -95,7 +96,7 @@ async def abort_exchange(exchange: str, request: Request):
     prefilled (the worker still reads its answer, and releases a lease in it)."""
     s = state(request)
     if not s.lease_policy.from_http_worker(request_key(request)):
-        raise NotAvailable("not found")
+        raise NotFound("not found")
     work = s.exchanges.get(exchange)
     if work is not None:
         work.cancel()

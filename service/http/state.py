@@ -12,10 +12,10 @@ from fastapi import Request
 from hsx_service.engine.lease import ArenaSocket, LeasePolicy
 from hsx_service.engine.norm import CheckpointNorm
 from hsx_service.engine.prefill import PrefillEngine
-from hsx_service.http.admission import AdmissionGate
+from hsx_service.core.admission import AdmissionGate
 from hsx_service.http.auth import bearer_token
-from hsx_service.http.errors import NotReady
-from hsx_service.http.metrics import Metrics
+from hsx_service.core.errors import NotReady
+from hsx_service.core.metrics import Metrics
 from hsx_service.http.schema import ErrorResponse
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings

@@ -22,7 +22,6 @@ from hsx import bf16split
 from hsx.wire import TensorSpec, decode, encode_header
 from hsx_client.responses import finish_body as _finish_body
 from hsx_service.body.compress import CompressPool, _in_order, stream_bf16split
-from hsx_service.body.negotiate import choose_coding
 from hsx_service.body.response import Body, Stats, stream_zstd
 
 
@@ -194,21 +193,6 @@ def test_zstd_stream_is_one_frame_on_the_pool(pool):
     d = dec.ZStandardDecoder()
     got = b"".join(d.decode(out[i : i + 65536]) for i in range(0, len(out), 65536)) + d.flush()
     assert got == plain
-
-
-# --------------------------------------------------------------- negotiation
-
-@pytest.mark.parametrize("accept,encoding,dtype,want", [
-    (bf16split.MEDIA_TYPE, "zstd", "bfloat16", "bf16split"),
-    (f"{bf16split.MEDIA_TYPE}, application/x-safetensors;q=0.5", "zstd", "bfloat16", "bf16split"),
-    (f"{bf16split.MEDIA_TYPE};q=0", "zstd", "bfloat16", "zstd"),
-    (bf16split.MEDIA_TYPE, "zstd", "float32", "zstd"),  # not bf16: plain zstd
-    (bf16split.MEDIA_TYPE, None, "bfloat16", "identity"),  # its frames are zstd: not accepted
-    ("*/*", "zstd", "bfloat16", "zstd"),  # an opt-in: never by wildcard
-    (None, "identity", "bfloat16", "identity"),
-])
-def test_choose_coding(accept, encoding, dtype, want):
-    assert choose_coding(accept, encoding, dtype) == want
 
 
 # --------------------------------------------------------------- the pool's bounds

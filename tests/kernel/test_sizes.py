@@ -32,3 +32,15 @@ def test_the_client_flag_refuses_in_argparse_terms():
 def test_format_bytes_names_the_largest_unit_that_divides():
     assert [format_bytes(n) for n in (65536, 1 << 30, 3 << 20, 1000)] == ["64 KiB", "1 GiB", "3 MiB", "1000 bytes"]
     assert all(parse_bytes(format_bytes(n).replace(" bytes", "").replace(" ", "")) == n for n in (65536, 1000, 5 << 40))
+
+
+def test_fmt_bytes_rounds_to_a_decimal_unit():
+    from hsx.sizes import fmt_bytes
+
+    assert [fmt_bytes(n) for n in (None, 512, 1500, 2.3e9, 5e15)] == ["-", "512 B", "1.5 KB", "2.3 GB", "5000.0 TB"]
+
+
+def test_exit_codes_keep_the_values_users_see():
+    from hsx.exit_codes import ExitCode
+
+    assert [int(c) for c in ExitCode] == [0, 1, 2, 130] and f"{ExitCode.REFUSED}" == "2"

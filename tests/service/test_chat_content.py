@@ -11,7 +11,7 @@ import pytest
 
 from _server import CHAT, STORIES, TEMPLATES
 from hsx_service.chat_content import content_format, normalize_messages
-from hsx_service.http.errors import BadInput
+from hsx_service.core.errors import BadInput
 from hsx_service.tokenize import Tokenizer
 from hsx_tools.tiny_model import CHAT_TEMPLATE as TINY_TEMPLATE
 

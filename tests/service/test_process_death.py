@@ -149,6 +149,36 @@ def test_a_child_computing_with_the_gil_held_dies_with_its_owner_within_2_s(tmp_
             p.kill()
 
 
+SPAWNED_FROM_HSX = {  # how multiprocessing's spawn imports the parent's main module in a child
+    "python -m hsx_tools.cli": "runpy.run_module('hsx_tools.cli', run_name='__mp_main__', alter_sys=True)",
+    "the hsx console script": "runpy.run_path(sys.argv[1], run_name='__mp_main__')",
+}
+
+
+@pytest.mark.parametrize("main", SPAWNED_FROM_HSX)
+def test_a_process_spawned_from_hsx_dies_with_its_owner(main, tmp_path):
+    """vLLM's data-parallel coordinator is spawned from `hsx serve` and loads no vLLM plugin:
+    it outlived a SIGKILLed server. A spawned child imports the parent's main module
+    (tools/cli.py), which holds the lifeline there."""
+    script = tmp_path / "hsx"
+    script.write_text("import sys\nfrom hsx_tools.cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n")
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    from hsx import lifeline
+
+    env = {**os.environ, lifeline.ENV: lifeline.token(owner.pid)}
+    child = subprocess.Popen([sys.executable, "-c", f"import runpy, sys, time; {SPAWNED_FROM_HSX[main]}; "
+                              "print('in', flush=True); time.sleep(120)", str(script)],
+                             env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "in"
+        owner.kill()
+        owner.wait(10)
+        assert child.wait(5) == -signal.SIGKILL
+    finally:
+        for p in (owner, child):
+            p.kill()
+
+
 # ------------------------------------------------------------------------------ SIGKILL of hsx serve
 
 @pytest.mark.engine

@@ -10,7 +10,7 @@ from _server import engine_env, serve_command
 from _server import serve_once as _serve
 from hsx.layers import default_layers
 from hsx_service.engine.config import check_parallelism, check_vllm_version, resolve_layers
-from hsx_service.http.errors import StartupError
+from hsx_service.core.errors import StartupError
 
 
 def test_default_layers():

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from hsx_service.http.admission import AdmissionGate
+from hsx_service.core.admission import AdmissionGate
 from hsx_service.http.guard import GuardMiddleware
-from hsx_service.http.metrics import Metrics
+from hsx_service.core.metrics import Metrics
 from hsx_service.settings import ServiceSettings
 from hsx_service.tokenize_slots import FairSlots, LaneFull
 

@@ -54,3 +54,55 @@ def test_the_fast_tier_refuses_the_first_unmarked_user_too(pytester):
     _session(pytester)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-m", "not engine")
     result.assert_outcomes(failed=1, errors=1)  # the fixture now starts in the unmarked test
+
+
+
+# Appended to conftest.py in the pytester session: the real SHARED_SERVERS name, no engine.
+POOL_STANDIN = '''
+
+@pytest.fixture(scope="session")
+def e2e_pool():
+    EngineGuard.starting_a_server()
+    yield "the shared pool"
+'''
+
+GROUPS = '''
+import pytest
+from _server import EngineGuard
+
+
+@pytest.fixture(scope="session")
+def unlisted_server():
+    EngineGuard.starting_a_server()
+    yield "a session server conftest.py does not know"
+
+
+@pytest.mark.engine
+def test_pool_user(e2e_pool, request):
+    print("GROUP", request.node.get_closest_marker("xdist_group").args[0])
+
+
+@pytest.mark.engine
+def test_own(request):
+    print("GROUP", request.node.get_closest_marker("xdist_group").args[0])
+
+
+@pytest.mark.engine
+def test_unlisted(unlisted_server):
+    pass
+'''
+
+
+def test_modules_sharing_a_session_server_share_a_group_and_an_unlisted_one_fails(pytester):
+    _session(pytester)
+    pytester.makeconftest((HERE / "conftest.py").read_text() + POOL_STANDIN)
+    show = "    print('GROUP', request.node.get_closest_marker('xdist_group').args[0])\n"
+    pytester.makepyfile(test_groups=GROUPS,
+                        test_other=f"import pytest\n\n@pytest.mark.engine\ndef test_other_pool_user(e2e_pool, request):\n{show}",
+                        test_alone=f"def test_alone(request):\n{show}")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-s", "test_groups.py", "test_other.py", "test_alone.py")
+    result.assert_outcomes(passed=4, errors=1)
+    out = result.stdout.str()
+    # test_own joins its module's group; the module alone is a group of its own
+    assert out.count("GROUP e2e_pool") == 3 and "GROUP test_alone.py" in out, out
+    assert "the session-wide fixture unlisted_server starts an engine: list it in" in out

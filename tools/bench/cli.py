@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsx_tools.bench.common import ensure_model, ensure_packages, fmt_bytes, hardware, log, make_prompts, model_facts, versions_light
+from hsx.exit_codes import ExitCode
+from hsx.sizes import fmt_bytes
+from hsx_tools.bench.common import ensure_model, ensure_packages, hardware, log, make_prompts, model_facts, versions_light
 from hsx_tools.bench.report import MODE_NAMES, format_table, ratios
 from hsx.dtypes import by_name as dtype_by_name
 from hsx.layers import default_layers
@@ -145,14 +147,14 @@ def main(argv: list[str]) -> int:
     if not args.model and not args.make_model:
         if not preset:
             print("hsx bench: give --model DIR, --make-model SPEC, --quick or --h200", file=sys.stderr)
-            return 2
+            return ExitCode.REFUSED
         args.make_model = preset["make_model"]
     args.transfers = [t.strip() for t in args.transfer.split(",") if t.strip()]
     if not args.transfers or {t.partition(":")[0] if t.startswith("http:") and t[5:] in ("none", "zstd", "bf16split")
                               else t for t in args.transfers} - {"auto", "http"}:
         print(f"hsx bench: --transfer {args.transfer!r}: a comma list of auto, http, http:none, http:zstd, "
               "http:bf16split", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     if args.codec == "none":
         args.codec_kind, args.codec_level = "none", None
     elif args.codec == "bf16split":
@@ -162,14 +164,14 @@ def main(argv: list[str]) -> int:
         args.codec_level = int(args.codec.partition(":")[2] or 1)
     else:
         print(f"hsx bench: --codec {args.codec!r}: use zstd:LEVEL, bf16split or none", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     # The client asks for identity with codec none (the server then sends raw bytes),
     # otherwise for zstd, even from this local server (its `auto` would not).
     args.compression = {"none": "none", "bf16split": "bf16split"}.get(args.codec_kind, "zstd")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODE_NAMES for m in modes):
         print(f"hsx bench: --modes {args.modes!r}: a comma list of a, b, c", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
 
     own_workdir = not args.workdir
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hsx-bench-")).resolve()
@@ -189,14 +191,14 @@ def _run(args: argparse.Namespace, modes: list[str], workdir: Path) -> int:
     if model is None:
         print("hsx bench: --model must be a local directory (its config.json gives the vocab and sizes)",
               file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     facts = model_facts(model)
     n = facts["num_hidden_layers"]
     layers = sorted({int(x) for x in args.layers.split(",")}) if args.layers else default_layers(n)
     if "c" in modes and len(layers) != 4:  # (c) writes an EAGLE-3 corpus: 3 aux layers + the last
         print(f"hsx bench: (c) needs 4 layers; {'--layers gives' if args.layers else 'the default gives'} "
               f"{layers} for this {n}-layer model: pass --layers with four ids", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
     itemsize = dtype_by_name(args.dtype).itemsize if args.dtype != "auto" else 2
     engine_flags = ["--dtype", args.dtype, "--max-model-len", str(args.max_model_len or args.prompt_len + 16),
                     "--no-enable-prefix-caching"]
@@ -272,5 +274,5 @@ def _run(args: argparse.Namespace, modes: list[str], workdir: Path) -> int:
         log(f"wrote {args.out}")
     if args.keep:
         log(f"kept {workdir}")
-    return 1 if failures else 0
+    return ExitCode.FAILED if failures else ExitCode.OK
 

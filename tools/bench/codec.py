@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hsx.sizes import fmt_bytes
 from hsx_tools.bench.common import (
-    REPO, child_env, ensure_model, ensure_packages, fmt_bytes, hardware, log, model_facts, versions_light,
+    REPO, child_env, ensure_model, ensure_packages, hardware, log, model_facts, versions_light,
 )
 from hsx.layers import default_layers
 from hsx_tools.server_process import ServerProcess

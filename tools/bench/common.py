@@ -25,16 +25,6 @@ def log(msg: str) -> None:
     print(f"[bench {time.time() - _T0:7.1f}s] {msg}", flush=True)
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
 # ------------------------------------------------------------------ model and prompts
 def parse_spec(spec: str) -> dict[str, Any]:
     keys = {"layers": int, "hidden": int, "ffn": int, "heads": int, "kv_heads": int, "vocab": int,

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsx_tools.bench.common import child_env, fmt_bytes, log, make_prompts, versions
+from hsx.sizes import fmt_bytes
+from hsx_tools.bench.common import child_env, log, make_prompts, versions
 from hsx_tools.bench.memory import TreeSampler
 from hsx_tools.server_process import own, stop_process_group
 

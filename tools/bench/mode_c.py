@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hsx_tools.bench.common import child_env, fmt_bytes, log, make_prompts
+from hsx.sizes import fmt_bytes
+from hsx_tools.bench.common import child_env, log, make_prompts
 from hsx_tools.bench.memory import TreeSampler, own_memory, reset_own_hwm
 from hsx_tools.server_process import ServerProcess
 

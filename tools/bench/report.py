@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hsx_tools.bench.common import fmt_bytes
+from hsx.sizes import fmt_bytes
 
 MODE_NAMES = {"a": "plain prefill", "b": "vLLM file connector", "c": "hsx end to end"}
 

@@ -49,24 +49,36 @@ _FORMATS = {"speculators": SpeculatorsFormat, "specforge": SpecForgeFormat}
 
 # The run settings that pick a variant, and their defaults.
 FORMAT_OPTIONS = {k: SETTING_DEFAULTS[k] for k in ("states", "dtype")}
+DRAFT_OPTION = "draft"  # the draft a writer writes for (client/corpus/drafts.py)
 
 
 def format_options(settings: CorpusSettings) -> dict[str, str]:
     """The variant settings of a run (a plan's, a corpus's) that differ from the defaults
     (none: the plain format)."""
-    return {k: getattr(settings, k) for k, d in FORMAT_OPTIONS.items() if getattr(settings, k) != d}
+    opts = {k: getattr(settings, k) for k, d in FORMAT_OPTIONS.items() if getattr(settings, k) != d}
+    if settings.draft != SETTING_DEFAULTS[DRAFT_OPTION]:
+        opts[DRAFT_OPTION] = settings.draft
+    return opts
 
 
-def get_format(name: str, **options: str) -> CorpusFormat:
-    """The writer for "speculators" or "specforge"; `states="none"` / `dtype="fp8"` pick
-    speculators' token-table and fp8 variants (speculators_variants.py)."""
+def get_format(name: str, draft: str | None = None, **options: str) -> CorpusFormat:
+    """The writer for "speculators" or "specforge", for `draft` (default eagle3; a draft the
+    format's trainer does not train: ValueError, one line); `states="none"` / `dtype="fp8"`
+    pick speculators' token-table and fp8 variants (speculators_variants.py)."""
+    from hsx_client.corpus import drafts
+
     if name not in _FORMATS:
         raise ValueError(f"unknown corpus format {name!r} (choose from {sorted(_FORMATS)})")
+    use = drafts.get_draft(draft).use(name)  # DraftError (a ValueError) when the trainer lacks it
     if any(options.get(k, d) != d for k, d in FORMAT_OPTIONS.items()):
         from hsx_client.corpus.formats.speculators_variants import variant_format
 
-        return variant_format(name, **{**FORMAT_OPTIONS, **options})
-    return _FORMATS[name]()
+        fmt = variant_format(name, **{**FORMAT_OPTIONS, **options})
+    else:
+        fmt = _FORMATS[name]()
+    fmt.draft = drafts.get_draft(draft).name
+    fmt.needs_final_norm = fmt.needs_final_norm and use.last  # no last state in the record: no norm
+    return fmt
 
 
 __all__ = [

@@ -82,6 +82,7 @@ class FormatDefaults:
     fetched as they are, no drop rule of its own."""
 
     needs_final_norm = True
+    draft = "eagle3"  # the draft the corpus trains (client/corpus/drafts.py); get_format sets it
     streams = False  # True: stream_open writes a sample as it arrives (hsx_client.corpus.stream_write)
 
     def stream_open(self, index: int, layout: Any, ctx: CorpusContext) -> StreamedSample:
@@ -135,10 +136,21 @@ class StreamedSample:
 
 
 class Eagle3Format(FormatDefaults):
-    """A corpus of EAGLE-3 draft training: 3 auxiliary layers plus the last (`eagle3_layer_problem`)."""
+    """A corpus for the format's `draft` (EAGLE-3 by default: 3 auxiliary layers plus the last,
+    `eagle3_layer_problem`; the others: client/corpus/drafts.py)."""
 
     def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
-        return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
+        from hsx_client.corpus import drafts
+
+        if self.draft == drafts.DEFAULT_DRAFT:
+            return eagle3_layer_problem(self.name, layers, num_hidden_layers, served)
+        return drafts.layer_problem(self.draft, self.name, layers, num_hidden_layers, served)
+
+    def draft_facts(self, ctx: CorpusContext) -> dict:
+        """hsx_format.json's record of the draft: its name, the layers and how to name them to its trainer."""
+        from hsx_client.corpus import drafts
+
+        return {"draft": self.draft, "trainer_layers": drafts.trainer_layer_ids(self.draft, self.name, list(ctx.layer_ids))}
 
 
 def drop_reason(fmt: CorpusFormat, mask: np.ndarray | None) -> str | None:
@@ -185,11 +197,11 @@ def eagle3_layer_problem(name: str, layers: list[int], num_hidden_layers: int | 
 
     n = num_hidden_layers
     if n is None:
-        return None if len(layers) == 4 else f"{name} corpora (EAGLE-3) need 4 layers (3 aux + the last), got {layers}"
+        return None if len(layers) == 4 else f"{name} corpora (EAGLE-3, --draft eagle3) need 4 layers (3 aux + the last), got {layers}"
     layers = sorted(layers)
     if len(layers) == 4 and layers[-1] == n and layers[2] < n:
         return None
-    head = f"{name} corpora (EAGLE-3) need 4 layers, 3 auxiliary ids below {n} plus {n} (the last); the run has {layers}"
+    head = f"{name} corpora (EAGLE-3, --draft eagle3) need 4 layers, 3 auxiliary ids below {n} plus {n} (the last); the run has {layers}"
     if n < 3:
         return f"{head}, and this model has only {n} decoder layer(s): too few for an EAGLE-3 draft"
     aux = [k for k in served if k < n]
@@ -219,9 +231,9 @@ def check_layout(layout: Any, ctx: CorpusContext) -> None:
     stream's before any state arrives (hsx_client.sample_stream.StatesLayout), or a whole
     response's (check_decoded)."""
     t, n_layers, h = layout.shape
-    if n_layers != 4 or len(ctx.layer_ids) != 4:
+    if n_layers != len(ctx.layer_ids):
         raise CorpusFormatError(
-            f"EAGLE-3 corpora need 4 layers (3 aux + last), got {n_layers} states for layer ids {ctx.layer_ids}"
+            f"the run's corpus takes {len(ctx.layer_ids)} layers {list(ctx.layer_ids)}, the response has {n_layers} states"
         )
     if h != ctx.hidden_size:
         raise CorpusFormatError(f"hidden size {h} differs from the server's {ctx.hidden_size}")

@@ -31,6 +31,18 @@ def _need_final_norm(ctx: CorpusContext) -> None:
         raise CorpusFormatError("the specforge format needs the final norm (weights, eps) from the server")
 
 
+# Each draft's record (specforge/algorithms/<name>/providers.py; client/corpus/drafts.py):
+# (key of the aux layers concatenated, key of the last layer after the final norm or None
+# when the record has no last state and every layer is an aux one).
+RECORD_KEYS = {
+    "eagle3": ("aux_hidden_state", "hidden_state"),
+    "dspark": ("hidden_states", "target_last_hidden_states"),
+    "dflash": ("hidden_states", None),
+    "domino": ("hidden_states", None),
+}
+DFLASH_FAMILY = ("dflash", "dspark", "domino")
+
+
 class SpecForgeFormat(Eagle3Format):
     """SpecForge 0.2 offline: one torch.save'd `.ckpt` per sample in a sharded tree.
 
@@ -44,11 +56,20 @@ class SpecForgeFormat(Eagle3Format):
     name = "specforge"
     needs_final_norm = True  # hidden_state is the last layer after the final norm
 
-    @staticmethod
-    def drop_reason(mask: np.ndarray) -> str | None:
-        """SpecForge's offline normalizer (specforge.algorithms.eagle3.data) sets the last
-        token's mask to 0 (its target lies past the sample): a sample supervised only there
-        trains nothing."""
+    @property
+    def keys(self) -> tuple[str, str | None]:
+        """(aux key, last key or None) of this draft's record."""
+        return RECORD_KEYS[self.draft]
+
+    def drop_reason(self, mask: np.ndarray) -> str | None:
+        """EAGLE-3: SpecForge's offline normalizer (specforge.algorithms.eagle3.data) sets the
+        last token's mask to 0 (its target lies past the sample): a sample supervised only
+        there trains nothing. The DFlash family's normalizer refuses a sample without two
+        consecutive supervised tokens (specforge/algorithms/common/dflash_family_data.py)."""
+        if self.draft in DFLASH_FAMILY:
+            if not (mask[1:].astype(bool) & mask[:-1].astype(bool)).any():
+                return "no two consecutive supervised tokens, which SpecForge's DFlash-family loader requires"
+            return None
         if not mask[:-1].any():
             return "no supervised token but the last, which SpecForge's loader unmasks"
         return None
@@ -62,18 +83,19 @@ class SpecForgeFormat(Eagle3Format):
         return state_bytes_per_token(ctx) + 16
 
     def encode_sample(self, index: int, decoded: Decoded, ctx: CorpusContext) -> SampleOutput:
-        _need_final_norm(ctx)
+        aux_key, last_key = self.keys
+        if last_key:
+            _need_final_norm(ctx)
         hs, ids, mask, source = check_decoded(decoded, ctx)
-        t, _, h = hs.shape
+        n_aux = hs.shape[1] - (1 if last_key else 0)
         # torch.cat / fresh tensors: torch.save must not drag a shared storage along.
-        aux = torch.cat([hs[:, 0], hs[:, 1], hs[:, 2]], dim=-1).unsqueeze(0)
-        last = apply_final_norm(hs[:, 3], ctx.final_norm).contiguous().unsqueeze(0)
         obj = {
             "input_ids": torch.from_numpy(ids.copy()),
             "loss_mask": torch.from_numpy(mask.copy()),
-            "aux_hidden_state": aux,
-            "hidden_state": last,
+            aux_key: torch.cat([hs[:, k] for k in range(n_aux)], dim=-1).unsqueeze(0),
         }
+        if last_key:
+            obj[last_key] = apply_final_norm(hs[:, -1], ctx.final_norm).contiguous().unsqueeze(0)
         buf = io.BytesIO()
         torch.save(obj, buf)
         return SampleOutput({self.ckpt_path(index): buf.getvalue()}, make_record(ids, mask, source, ctx))
@@ -92,6 +114,8 @@ class SpecForgeFormat(Eagle3Format):
         """The chunk's rows with the last layer normed, in a fresh buffer (the chunk may be
         a lease's shared memory, read in place: never written)."""
         _, n_layers, h = layout.shape
+        if self.keys[1] is None:  # no last state in the record: the rows go as they came
+            return data
         out = np.frombuffer(data, dtype=np.uint8).copy()  # numpy's memory: tracemalloc counts it
         rows = torch.from_numpy(out).view(layout.dtype).view(-1, n_layers, h)
         rows[:, -1] = apply_final_norm(rows[:, -1], ctx.final_norm)
@@ -125,11 +149,17 @@ class SpecForgeFormat(Eagle3Format):
         files[FORMAT_FILE] = format_json(
             self.name, ctx, num_samples=len(recs), num_tokens=sum(r["num_tokens"] for _, r in recs),
             num_supervised=sum(r["num_supervised"] for _, r in recs), orphans_quarantined=orphans,
-            hidden_state="final norm applied (" + (ctx.final_norm.style if ctx.final_norm else "?") + ")",
+            **self._last_fact(ctx), **self.draft_facts(ctx),
         )
         for rel, data in files.items():
             store.write_file_atomic(out_dir / rel, data)
         return list(files)
+
+    def _last_fact(self, ctx: CorpusContext) -> dict:
+        last_key = self.keys[1]
+        if last_key is None:
+            return {}
+        return {last_key: "final norm applied (" + (ctx.final_norm.style if ctx.final_norm else "?") + ")"}
 
     def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]:
         path = Path(out_dir) / self.ckpt_path(index)
@@ -139,16 +169,16 @@ class SpecForgeFormat(Eagle3Format):
             raw = self._load(path)
         except Exception as exc:
             return [f"{path.name} is unreadable: {type(exc).__name__}: {exc}"]
-        need = {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
+        aux_key, last_key = self.keys
+        need = {"input_ids", "loss_mask", aux_key} | ({last_key} if last_key else set())
         if not isinstance(raw, dict) or not need <= set(raw):
             return [f"{path.name} lacks {sorted(need - set(raw if isinstance(raw, dict) else {}))}"]
         t, h = record.get("num_tokens"), record.get("hidden_size")
-        n_aux = record.get("num_layers", 4) - 1
+        n_aux = record.get("num_layers", 4) - (1 if last_key else 0)
         want_dt = dtypes.torch_dtype(record["dtype"]) if record.get("dtype") in dtypes.STATE_DTYPES else None
         probs = []
-        for key, shape, dt in (("input_ids", [t], torch.int64), ("loss_mask", [t], torch.int64),
-                               ("aux_hidden_state", [1, t, n_aux * h], want_dt),
-                               ("hidden_state", [1, t, h], want_dt)):
+        wants = [("input_ids", [t], torch.int64), ("loss_mask", [t], torch.int64), (aux_key, [1, t, n_aux * h], want_dt)]
+        for key, shape, dt in wants + ([(last_key, [1, t, h], want_dt)] if last_key else []):
             v = raw[key]
             if list(v.shape) != shape:
                 probs.append(f"{key} shape {list(v.shape)}, expected {shape}")
@@ -166,7 +196,9 @@ class _StreamedCkpt:
     and loss mask last (over HTTP they arrive after the states)."""
 
     def __init__(self, fmt: SpecForgeFormat, index: int, layout, ctx: CorpusContext) -> None:
-        _need_final_norm(ctx)
+        aux_key, last_key = fmt.keys
+        if last_key:
+            _need_final_norm(ctx)
         check_layout(layout, ctx)
         self.fmt, self.layout, self.ctx = fmt, layout, ctx
         self.rel = fmt.ckpt_path(index)
@@ -174,13 +206,16 @@ class _StreamedCkpt:
         self.tokens = t
         states = StorageRef("0", layout.dtype, t * n_layers * h)
         rows = (t * n_layers * h, n_layers * h, 1)  # [1, T, .] over rows of n_layers * h
+        n_aux = n_layers - (1 if last_key else 0)
         self._states_bytes = states.nbytes
-        self._pickled = pickle_object({
+        tensors = {
             "input_ids": TensorRef(StorageRef("1", torch.int64, t), 0, (t,), (1,)),
             "loss_mask": TensorRef(StorageRef("2", torch.int64, t), 0, (t,), (1,)),
-            "aux_hidden_state": TensorRef(states, 0, (1, t, (n_layers - 1) * h), rows),
-            "hidden_state": TensorRef(states, (n_layers - 1) * h, (1, t, h), rows),
-        })
+            aux_key: TensorRef(states, 0, (1, t, n_aux * h), rows),
+        }
+        if last_key:
+            tensors[last_key] = TensorRef(states, n_aux * h, (1, t, h), rows)
+        self._pickled = pickle_object(tensors)
         self._zip: TorchZipWriter | None = None
         self._states = None
 

@@ -169,7 +169,7 @@ class SpeculatorsFormat(Eagle3Format):
 
         extra = speculators_vocab_files(freq, ctx.draft_vocab_size, ctx.vocab_size)
         extra[FORMAT_FILE] = format_json(
-            self.name, ctx, **self.format_facts, num_samples=len(rows), num_tokens=sum(r["num_tokens"] for r in rows.values()),
+            self.name, ctx, **self.format_facts, **self.draft_facts(ctx), num_samples=len(rows), num_tokens=sum(r["num_tokens"] for r in rows.values()),
             num_supervised=sum(r["num_supervised"] for r in rows.values()),
             compacted_moves=len(moves), compaction_journal=COMPACTION_JOURNAL if moves else None,
         )

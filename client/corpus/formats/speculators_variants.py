@@ -102,11 +102,9 @@ class SpeculatorsTokensFormat(SpeculatorsFormat):
         return TokensResponse(await client.tokenize(body))
 
     def encode_sample(self, index: int, decoded: wire.Decoded, ctx: CorpusContext) -> SampleOutput:
-        if len(ctx.layer_ids) != 4:
-            raise CorpusFormatError(
-                f"EAGLE-3 corpora need 4 layers (3 aux + last), the run has {ctx.layer_ids}: the online "
-                "backend would fetch these"
-            )
+        problem = self.layer_problem(list(ctx.layer_ids), None, list(ctx.layer_ids))
+        if problem:  # the online backend would fetch these layers
+            raise CorpusFormatError(problem)
         ids, mask, source = check_tokens(decoded, ctx)
         ids = np.ascontiguousarray(ids, dtype="<i8")
         parts = sample_file_parts(ctx, [("token_ids", "I64", ids)])

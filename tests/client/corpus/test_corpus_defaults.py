@@ -38,7 +38,7 @@ def test_corpus_settings_are_plan_json_s_object_field_for_field():
               "layers": [1, 2], "draft_vocab_size": None, "seed": 0, "shuffle": True, "max_samples": None}
     s = CorpusSettings.saved(legacy)
     assert (s.format, s.layers, s.states, s.dtype) == ("speculators", [1, 2], "all", "auto")
-    assert list(s.to_saved()) == [*legacy, "states", "dtype"]
+    assert list(s.to_saved()) == [*legacy, "states", "dtype", "draft"]
     assert {k: v for k, v in s.to_saved().items() if k in legacy} == legacy
 
 

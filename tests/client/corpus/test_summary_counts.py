@@ -176,7 +176,7 @@ def test_a_specforge_run_drops_and_counts_last_token_only_samples(tmp_path, data
             return httpx.Response(200, content=body, headers={"Content-Type": wire.MEDIA_TYPE})
 
     class SpecForgeLike(FakeFormat):
-        drop_reason = staticmethod(SpecForgeFormat.drop_reason)
+        drop_reason = SpecForgeFormat.drop_reason  # the EAGLE-3 rule (FakeFormat.draft is eagle3)
 
     r = run(cfg_for(data, tmp_path / "out"), SpecForgeLike(), LastOnly())
     one_token = sum(1 for i in range(N) if i % 3 == 0)  # their one token is the last one too

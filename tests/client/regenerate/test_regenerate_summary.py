@@ -87,6 +87,6 @@ def test_a_resumed_run_summarizes_the_same_output_as_an_uninterrupted_one(tmp_pa
     drops = (f"; {len(LONG)} dropped: no room in the model's context for their first reply "
              f"(e.g. {', '.join(whole.summary['dropped_examples'])})")
     assert drops in a and drops in b
-    tail = f", {rows} turns, {3 * rows} generated tokens, 0 turns cut by --max-tokens{drops}"
+    tail = f", {rows} turns, {3 * rows} generated tokens, 0 turns cut at their length limit (--max-tokens, or the room left in the context){drops}"
     assert tail in a and tail in b
     assert "failed" not in b and "; 4 failed (unlucky 4, e.g. " in summary_line(first.summary)

@@ -86,7 +86,7 @@ def worker(tmp_path):
 def _save(conn_mod, tokens: int, slots=(0, 4096)):
     plan = ChunkPlan(3, slots, TOKEN_BYTES)
     return conn_mod.PendingSave(req_id="r", key="k", block_ids=[5, 2, 9], num_tokens=tokens, offset=0,
-                                nbytes=tokens * TOKEN_BYTES, layer_index=[0, 2], chunks=plan.to_params())
+                                nbytes=tokens * TOKEN_BYTES, layer_positions=[0, 2], chunks=plan.to_params())
 
 
 def _items(c):
@@ -427,19 +427,19 @@ def test_window_without_an_end_notice_is_freed_after_its_timeout():
 
 # ------------------------------------------------------- the chunked lease form's expiry
 def _lease_stream_reply(window, leases, session="s"):
-    """serving.HiddenStatesService._reply_lease_stream on `window`, with what it reads of the
-    service stubbed (the arena's id, the timeout, the metrics): the real stream and close."""
+    """replies.Replies.lease_stream on `window`, with what it reads of the engine stubbed (the
+    arena's id) and its metrics recorded nowhere: the real stream and close."""
     from types import SimpleNamespace
     from unittest import mock
 
-    from hsx_service.serving import HiddenStatesService
+    from hsx_service.replies import LeaseTerms, Outgoing, Replies
 
-    svc = SimpleNamespace(leases=leases, metrics=mock.MagicMock(),
-                          settings=SimpleNamespace(lease_timeout=leases.timeout), prefill=SimpleNamespace(arena=SimpleNamespace(arena_id="a")), _record=lambda *a, **k: None)
-    states = TensorSpec("hidden_states", "F32", (window.num_tokens, L, H))
-    return HiddenStatesService._reply_lease_stream(svc, window, [TensorSpec("token_ids", "I64", (window.num_tokens,))],
-                                                   [np.zeros(window.num_tokens, np.int64).tobytes()], {}, {}, states,
-                                                   session, window.num_tokens, 0.0, 0.0)
+    replies = Replies(SimpleNamespace(arena=SimpleNamespace(arena_id="a")), None, mock.MagicMock(), leases.timeout)
+    replies.record = lambda *a, **k: None
+    n = window.num_tokens
+    sample = Outgoing(TensorSpec("hidden_states", "F32", (n, L, H)), [TensorSpec("token_ids", "I64", (n,))],
+                      [np.zeros(n, np.int64).tobytes()], {}, {}, n, 0.0, 0.0)
+    return replies.lease_stream(sample, window, LeaseTerms(leases, session, False))
 
 
 def test_an_expired_chunk_lease_ends_the_request():

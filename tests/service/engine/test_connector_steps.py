@@ -36,7 +36,7 @@ def finished(c: conn.HsxConnector, req_id: str, hsx: bool = True, tokens: int = 
     req = SimpleNamespace(request_id=req_id, status=RequestStatus.FINISHED_LENGTH_CAPPED,
                           prompt_token_ids=list(range(tokens)), num_computed_tokens=tokens,
                           kv_transfer_params={KV_PARAMS_KEY: {"key": req_id, "offset": 0, "nbytes": 8,
-                                                                "layers": [0]}} if hsx else None)
+                                                                "layer_positions": [0]}} if hsx else None)
     return c.request_finished(req, [1])
 
 

@@ -102,7 +102,7 @@ def test_kimi_k25_layer_zero_refused_by_its_vllm_module():
     from vllm.model_executor.models.registry import _VLLM_MODELS
 
     from hsx_service.engine.config import check_layer_zero
-    from hsx_service.http.errors import StartupError
+    from hsx_service.core.errors import StartupError
 
     module, cls_name = _VLLM_MODELS["KimiK25ForConditionalGeneration"]
     model_cls = type(cls_name, (), {"__module__": f"vllm.model_executor.models.{module}"})

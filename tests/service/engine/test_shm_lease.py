@@ -56,6 +56,19 @@ async def test_leases_release_once_and_expire():
     assert leases.release(b) is False and len(leases) == 0
 
 
+async def test_the_drain_s_cut_off_ends_leases_as_shutdown_not_expired(caplog):
+    """Leases ended by --shutdown-timeout were logged and counted as expired after the
+    lease timeout, though no client had outlived it."""
+    ended: list[str] = []
+    allocator = Allocator(1 << 20)
+    leases = Leases(timeout=120, on_end=ended.append)
+    for _ in range(3):
+        leases.grant(allocator.reserve(100))
+    leases.end_all()
+    assert ended == ["shutdown"] * 3 and allocator.used == 0 and len(leases) == 0
+    assert "expired" not in caplog.text and "3 leases ended at the drain's cut-off" in caplog.text
+
+
 async def test_lease_streams_admitted_together_never_pass_the_half_arena_cap():
     """Issue 36 item 4: a lease stream's window was checked against the half-arena cap when
     admitted, but counted only as its chunk leases were granted, later; streams admitted

@@ -136,7 +136,7 @@ def test_hybrids_verified_per_backend_and_release():
 
 def test_check_hybrid_refuses_unverified_unless_allowed(monkeypatch):
     from hsx_service.engine.config import check_hybrid
-    from hsx_service.http.errors import StartupError
+    from hsx_service.core.errors import StartupError
     from hsx_service.settings import ServiceSettings
 
     monkeypatch.setattr(vllm_compat, "backend", lambda: "cuda")

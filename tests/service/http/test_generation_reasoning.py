@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hsx_service.http.errors import StartupError  # noqa: E402
+from hsx_service.core.errors import StartupError  # noqa: E402
 from hsx_service.http.routes_generation import ChatCompletionRequest, ReasoningSplitter  # noqa: E402
 
 pytestmark = pytest.mark.slow  # imports vLLM's parsers

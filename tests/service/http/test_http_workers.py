@@ -34,7 +34,7 @@ from conftest import need_vllm
 from hsx import bf16split, wire
 from hsx.wire import TensorSpec, encode_header
 from hsx_service.http import http_workers
-from hsx_service.http.errors import StartupError
+from hsx_service.core.errors import StartupError
 from hsx_service.http.http_worker import HttpWorkerApp, _rebuild
 from hsx.protocol.lease import SendReport
 from hsx_service.settings import ServiceSettings

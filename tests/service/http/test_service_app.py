@@ -23,9 +23,9 @@ from hsx_service.http.app import create_app
 from hsx_service.http.state import AppState
 from hsx_service.engine.arena import Allocator, SharedArena
 from hsx_service.engine.config import ModelFacts
-from hsx_service.http.errors import EngineFailure
+from hsx_service.core.errors import EngineFailure
 from hsx_service.http.guard import PUBLIC_PATHS
-from hsx_service.http.metrics import Metrics, sample_loop_lag
+from hsx_service.core.metrics import Metrics, sample_loop_lag
 from hsx_service.serving import HiddenStatesService
 from hsx_service.settings import ServiceSettings
 
@@ -70,7 +70,7 @@ class StandInEngine:
     def settings(self):
         return ServiceSettings(arena_bytes=self.arena.size)
 
-    async def extract(self, token_ids, layer_index, reservation, request_id):
+    async def extract(self, token_ids, layer_positions, reservation, request_id):
         self.engine_running += 1
         self.entered.set()
         try:
@@ -86,7 +86,7 @@ class StandInEngine:
                 asyncio.get_running_loop().create_task(later())
                 raise EngineFailure("the engine failed while serving this request")
             n = len(token_ids)
-            states = np.arange(n * len(layer_index) * H, dtype=np.float32)
+            states = np.arange(n * len(layer_positions) * H, dtype=np.float32)
             self.arena.slice(reservation.extent)[:] = states.tobytes()
             return {"engine": 0.0, "copy": 0.0}
         finally:

@@ -18,10 +18,10 @@ import uvicorn
 from prometheus_client import generate_latest
 
 from hsx_tools.server_process import MetricValues
-from hsx_service.http.admission import AdmissionGate
+from hsx_service.core.admission import AdmissionGate
 from hsx_service.http.connections import PROBE_RESERVE, ConnectionGuard, guarded_protocol
 from hsx_service.http.guard import GuardMiddleware
-from hsx_service.http.metrics import Metrics
+from hsx_service.core.metrics import Metrics
 from hsx_service.settings import ServiceSettings
 
 HEADER_TIMEOUT = 0.5

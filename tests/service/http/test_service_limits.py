@@ -275,7 +275,7 @@ def test_hsx_serve_help_says_each_flags_default_once(capsys):
 def test_hsx_serve_without_a_model_is_refused(monkeypatch):
     pytest.importorskip("vllm")
     from hsx_service.cli import parse
-    from hsx_service.http.errors import StartupError
+    from hsx_service.core.errors import StartupError
 
     monkeypatch.delenv("HSX_MODEL", raising=False)
     with pytest.raises(StartupError, match="hsx serve MODEL"):

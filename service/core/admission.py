@@ -5,8 +5,8 @@ at most `--max-inflight` requests are past it at once, so a flood of large bodie
 grow memory, and a draining server refuses at once. Then, once its prompt is tokenized:
 its tokens must fit `--max-queued-tokens` beside the others', and a draining server or a
 dead engine refuses it. Its place is held until its response has ended (the middleware
-releases the ticket). Every refusal is a ServiceError; its 503 is counted by reason in
-`hsx_rejected_total` where it is rendered (errors.render).
+releases the ticket). Every refusal is a ServiceError (core/errors.py); it is counted by
+reason in `hsx_rejected_total` where it is rendered (http/errors.render).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from hsx_service.http.errors import Draining, NotReady, Overloaded
-from hsx_service.http.metrics import Metrics
+from hsx_service.core.errors import Draining, NotReady, Overloaded
+from hsx_service.core.metrics import Metrics
 
 DRAIN_RETRY_AFTER = 5.0
 

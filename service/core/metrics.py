@@ -44,7 +44,7 @@ class Metrics:
         )
         self.arena_used = Gauge("hsx_arena_used_bytes", "Shared-memory arena bytes held by requests", registry=r)
         self.leases = Counter(
-            "hsx_leases", "Same-host leases: granted, released, expired, unsent, client_gone; refused_session / "
+            "hsx_leases", "Same-host leases: granted, released, expired, unsent, client_gone, shutdown; refused_session / "
             "refused_arena (over a session's or the arena's cap: an HTTP body instead)", ["outcome"], registry=r
         )
         self.leases_live = Gauge("hsx_leases_live", "Same-host leases not yet released", registry=r)

@@ -1,0 +1,62 @@
+"""Issue 39 end to end: `hsx extract --draft` against real `hsx serve` processes (the shared
+e2e servers: fp32 stories260K, layers 1,2,4,5, N = 5): a draft the served layers do not fit
+is refused before any sample; MTP (speculators) and DSpark (SpecForge) corpora of a layer
+subset are complete, pass `hsx verify`, and load in the trainers' own readers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _corpus_helpers import specforge_rows
+from _e2e_helpers import assert_verify_ok, extract_argv, run_cli, run_extract
+from _server import CHAT
+
+pytestmark = [pytest.mark.engine, pytest.mark.fixtures, pytest.mark.slow]
+
+OASST = str(CHAT / "oasst" / "threads.messages.jsonl")
+BASE = ["--input", OASST, "--max-length", "256", "--max-samples", "6"]
+
+
+@pytest.fixture(scope="module")
+def pool(e2e_pool):
+    for mod in ("speculators", "specforge"):
+        pytest.importorskip(mod)
+    return e2e_pool
+
+
+def test_a_draft_the_served_layers_do_not_fit_is_refused_at_once(pool, tmp_path):
+    out = tmp_path / "never"
+    r = run_cli(extract_argv(pool.get(1), out, "--format", "speculators", "--draft", "mtp", *BASE))
+    assert r.returncode == 2 and "--draft mtp" in r.stderr and "pass --layers 5 " in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_mtp_corpus_of_the_last_layer_loads_in_speculators(pool, tmp_path):
+    data = pytest.importorskip("speculators.train.data")
+    out = tmp_path / "mtp"
+    s = run_extract(pool.get(1), out, "--format", "speculators", "--draft", "mtp", "--layers", "5", *BASE)
+    assert s["status"] == "complete" and s["done"] > 0
+    facts = json.loads((out / "hsx_format.json").read_text())
+    assert facts["draft"] == "mtp" and facts["layer_ids"] == [5]
+    assert_verify_ok(out)
+    ds = data.ArrowDataset(4096, str(out), on_missing="raise", train_ratio=1.0)
+    assert len(ds) == s["done"]
+    row = ds[0]
+    assert row["hidden_states"].shape[1] == 0 and row["verifier_last_hidden_states"].shape[1] == 64
+
+
+def test_dspark_corpus_loads_in_specforges_dspark_provider(pool, tmp_path):
+    out = tmp_path / "dspark"
+    s = run_extract(pool.get(1), out, "--format", "specforge", "--mask-policy", "all_turns", "--draft", "dspark",
+                    "--layers", "4,5", *BASE)
+    assert s["status"] == "complete" and s["done"] > 0
+    assert json.loads((out / "hsx_format.json").read_text())["trainer_layers"]["target_layer_ids"] == [3]
+    assert_verify_ok(out)
+    rows = specforge_rows(out, "dspark")
+    assert len(rows) == s["done"]
+    for t in rows.values():
+        assert t["hidden_states"].shape[-1] == 64 and t["target_last_hidden_states"].shape[-1] == 64
+        assert torch.isfinite(t["target_last_hidden_states"]).all()
