@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hsx_service.chat_content import IMAGE_PLACEHOLDER
-from hsx_service.http.errors import BadInput, TooLarge
+from hsx_service.core.errors import BadInput, TooLarge
 from hsx_service.media.limits import MediaLimits
 from hsx_service.media.parts import IMAGE_PART_TYPES, find_images, load_images
 from hsx_service.tokenize import Encoded

@@ -12,7 +12,7 @@ import io
 import warnings
 import zlib
 
-from hsx_service.http.errors import BadInput, TooLarge
+from hsx_service.core.errors import BadInput, TooLarge
 from hsx_service.media.limits import MediaLimits
 
 # Raster formats hsx decodes (PIL's names). Formats PIL reads beside them (EPS runs

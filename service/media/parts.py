@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from hsx_service.http.errors import BadInput, TooLarge
+from hsx_service.core.errors import BadInput, TooLarge
 from hsx_service.media.decode import decode_image
 from hsx_service.media.limits import MediaLimits
 from hsx_service.media.sources import load_bytes

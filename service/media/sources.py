@@ -18,7 +18,7 @@ import stat
 from pathlib import Path
 from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
-from hsx_service.http.errors import BadInput, TooLarge
+from hsx_service.core.errors import BadInput, TooLarge
 from hsx_service.media.limits import MediaLimits
 
 

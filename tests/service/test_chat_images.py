@@ -11,8 +11,8 @@ import pytest
 
 import _images as img
 from hsx_service.chat_content import IMAGE_PLACEHOLDER, content_format, normalize_messages
-from hsx_service.http.errors import BadInput, TooLarge
-from hsx_service.http.schema import HiddenStatesRequest
+from hsx_service.core.errors import BadInput, TooLarge
+from hsx_service.core.schema import HiddenStatesRequest
 from hsx_service.media.chat_images import ChatImages, expand_masks
 from hsx_service.media.limits import MediaLimits
 from hsx_tools.tiny_model import CHAT_TEMPLATE as STRING_TEMPLATE
