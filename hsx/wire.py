@@ -88,6 +88,7 @@ class Decoded:
     token_ids: np.ndarray
     loss_mask: np.ndarray | None
     metadata: dict[str, str] = field(default_factory=dict)
+    media_mask: np.ndarray | None = None  # 1 on each image token (chats with images)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -179,9 +180,11 @@ def decode(body: bytes | bytearray | memoryview, states: memoryview | None = Non
     mask = tensors["loss_mask"].numpy() if "loss_mask" in tensors else None
     if hs.ndim != 3 or hs.shape[0] != ids.shape[0]:
         raise WireFormatError(f"hidden_states {tuple(hs.shape)} does not match {ids.shape[0]} tokens")
-    if mask is not None and mask.shape != ids.shape:
-        raise WireFormatError(f"loss_mask {mask.shape} does not match token_ids {ids.shape}")
-    return Decoded(hidden_states=hs, token_ids=ids, loss_mask=mask, metadata=meta)
+    media = tensors["media_mask"].numpy() if "media_mask" in tensors else None
+    for name, m in (("loss_mask", mask), ("media_mask", media)):
+        if m is not None and m.shape != ids.shape:
+            raise WireFormatError(f"{name} {m.shape} does not match token_ids {ids.shape}")
+    return Decoded(hidden_states=hs, token_ids=ids, loss_mask=mask, metadata=meta, media_mask=media)
 
 
 def head_size(prefix: bytes | bytearray | memoryview) -> int | None:

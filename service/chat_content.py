@@ -12,6 +12,7 @@ stringified.
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ from jinja2 import nodes
 from hsx_service.core.errors import BadInput
 
 ContentFormat = Literal["string", "parts"]
+_GENERATION_TAG = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
 TEXT_PART_TYPES = ("text", "input_text")  # the Chat Completions and the Responses API names
 
 
@@ -28,6 +30,8 @@ TEXT_PART_TYPES = ("text", "input_text")  # the Chat Completions and the Respons
 def content_format(template: str) -> ContentFormat:
     """"parts" when the template loops over a message's content (`for x in message['content']`,
     also through a variable set from it), else "string"."""
+    # transformers' {% generation %} tags (no jinja2 extension here) do not change how content is read
+    template = _GENERATION_TAG.sub("", template)
     try:
         ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(template)
     except jinja2.TemplateError:
@@ -53,6 +57,11 @@ def _is_content_access(node: nodes.Node, content_vars: set[str]) -> bool:
     return isinstance(node, nodes.Name) and node.name in content_vars
 
 
+# An image part once the server has loaded its image (service/media/chat_images.py): what a
+# parts template renders as the model's image placeholder. Clients send `image_url` parts.
+IMAGE_PLACEHOLDER = {"type": "image"}
+
+
 def normalize_messages(messages: list[dict[str, Any]], fmt: ContentFormat) -> list[dict[str, Any]]:
     """The messages with every list `content` made what a template of `fmt` renders right.
     Messages without a list content are returned as they are (the same objects)."""
@@ -60,17 +69,32 @@ def normalize_messages(messages: list[dict[str, Any]], fmt: ContentFormat) -> li
     for i, msg in enumerate(messages):
         content = msg.get("content")
         if isinstance(content, list):
-            texts = text_parts(content, i)
-            msg = {**msg, "content": "\n".join(texts) if fmt == "string" else
-                   [{"type": "text", "text": t} for t in texts]}
+            if fmt == "parts" and IMAGE_PLACEHOLDER in content:
+                msg = {**msg, "content": _parts_with_images(content, i)}
+            else:
+                texts = text_parts(content, i)
+                msg = {**msg, "content": "\n".join(texts) if fmt == "string" else
+                       [{"type": "text", "text": t} for t in texts]}
         out.append(msg)
     return out
 
 
-def text_parts(content: list[Any], index: int) -> list[str]:
-    """The texts of a content-part list, or BadInput naming the first part hsx cannot render."""
-    texts = []
+def _parts_with_images(content: list[Any], index: int) -> list[dict[str, Any]]:
+    """A parts list keeping the loaded images' placeholders in place among its text parts."""
+    out = []
     for j, part in enumerate(content):
+        if part == IMAGE_PLACEHOLDER:
+            out.append(dict(IMAGE_PLACEHOLDER))
+        else:
+            out += [{"type": "text", "text": t} for t in text_parts([part], index, offset=j)]
+    return out
+
+
+def text_parts(content: list[Any], index: int, offset: int = 0) -> list[str]:
+    """The texts of a content-part list, or BadInput naming the first part hsx cannot render
+    (`offset`: the list's first part's index in the message)."""
+    texts = []
+    for j, part in enumerate(content, offset):
         if isinstance(part, str):  # some datasets write bare strings in the list
             texts.append(part)
             continue
@@ -80,8 +104,12 @@ def text_parts(content: list[Any], index: int) -> list[str]:
             continue
         if kind in TEXT_PART_TYPES:
             raise BadInput(f"messages[{index}].content[{j}]: a {kind!r} part needs a string 'text'")
+        if part == IMAGE_PLACEHOLDER:  # loaded, but the template iterates no parts
+            raise BadInput(f"messages[{index}].content[{j}]: this chat template renders no images (it prints "
+                           "each message's content as a string)")
         raise BadInput(f"messages[{index}].content[{j}]: content parts of type {kind!r} are not supported "
-                       f"(this server renders text parts only)")
+                       f"(here text parts only: image_url parts go to /hidden_states and /tokenize of a model that "
+                       f"takes images)")
     return texts
 
 

@@ -30,6 +30,8 @@ from hsx_service.core.errors import BadInput, NoSupervisedTokens, TooLarge
 from hsx_service.engine.lease import Leases
 from hsx_service.core.metrics import Metrics
 from hsx_service.core.schema import HiddenStatesRequest
+from hsx_service.media.chat_images import ChatImages
+from hsx_service.media.limits import MediaLimits
 from hsx_service.body.compress import CompressPool, default_threads
 from hsx_service.replies import LeaseTerms, Outgoing, Replies, Reply
 from hsx_service.settings import ServiceSettings
@@ -76,6 +78,8 @@ class HiddenStatesService:
         # Text beyond what max_tokens could ever need is work without use: refused before any
         # templating or tokenizing, on every route that takes text (text_bounds.py).
         self.max_text_bytes = settings.max_text_bytes or default_max_text_bytes(self.max_tokens)
+        self.media = ChatImages(MediaLimits.from_settings(settings), lambda: prefill.engine,
+                                getattr(getattr(prefill, "vllm_config", None), "model_config", None), f.architecture)
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
                                      settings.zstd_level, frame_threads=settings.zstd_frame_threads)
         self.leases: Leases | None = None
@@ -184,8 +188,11 @@ class HiddenStatesService:
     async def prepare(self, req: HiddenStatesRequest, client: str = "") -> Prepared:
         """`client`: who sends it (guard.py names it), for a fair share of the tokenizer processes."""
         layer_ids, layer_positions = self._layers(req.layers)
+        req, images = await self.media.take(req)  # loaded and decoded; placeholders in the messages
         enc = await self._encode(req, client)  # templating and tokenizing: in the pool's processes
         cut = self._truncate(enc, req)
+        if images:  # the model's processor expands each placeholder to its image's tokens
+            cut = await self.media.expand(cut, images, len(enc.token_ids), self._limit(req))
         self._check_supervised(cut, req, len(enc.token_ids))
         return Prepared(cut, layer_ids, layer_positions, len(enc.token_ids))
 
@@ -200,6 +207,7 @@ class HiddenStatesService:
             "token_ids": enc.token_ids,
             "loss_mask": enc.loss_mask,
             "loss_mask_source": enc.mask_source,
+            **({"media_mask": enc.media_mask} if enc.media_mask is not None else {}),
             "layer_ids": prep.layer_ids,
             "model": self.card["model"],
             "model_revision": self.card["model_revision"],
@@ -230,7 +238,8 @@ class HiddenStatesService:
             self._windows.add(reservation)
         started = time.perf_counter()
         try:
-            timing = await self.prefill.extract(ids, prep.layer_positions, reservation, request_id)
+            with_images = {"prompt": prep.encoded.engine_input} if prep.encoded.engine_input is not None else {}
+            timing = await self.prefill.extract(ids, prep.layer_positions, reservation, request_id, **with_images)
         except asyncio.CancelledError:  # a hang-up or the drain's cut-off: the route counts it
             reservation.release()
             raise
@@ -286,6 +295,9 @@ class HiddenStatesService:
         if prep.encoded.loss_mask is not None:
             specs.append(TensorSpec("loss_mask", "U8", (n,)))
             parts.append(np.asarray(prep.encoded.loss_mask, dtype=np.uint8).tobytes())
+        if prep.encoded.media_mask is not None:  # a chat with images: 1 on each image token
+            specs.append(TensorSpec("media_mask", "U8", (n,)))
+            parts.append(np.asarray(prep.encoded.media_mask, dtype=np.uint8).tobytes())
         headers = {"X-Request-Id": request_id, "X-Hsx-Num-Tokens": str(n)}
         return Outgoing(states, specs, parts, self._metadata(req, prep, request_id), headers, n, started, t_send)
 

@@ -43,7 +43,7 @@ def _str_list(value: object) -> object:
 
 
 BYTE_FIELDS = ("max_body_bytes", "arena_bytes", "stream_window_bytes", "max_text_bytes", "tokenize_memory",
-               "max_header_bytes")
+               "max_header_bytes", "max_image_bytes")
 
 
 class ServiceSettings(BaseSettings):
@@ -144,6 +144,18 @@ class ServiceSettings(BaseSettings):
         "(0: the engine process serves HTTP itself; default: 0 on vLLM's CPU backend, else a quarter of the "
         "cores, 2 to 8)",
     )
+    max_images_per_request: int = Field(8, ge=0, description="Most image parts in one request (413 beyond)")
+    max_image_bytes: int = Field(20 * MiB, ge=1024, description="Largest encoded image (data URI, file or download; 413 beyond)")
+    max_image_pixels: int = Field(
+        40_000_000, ge=1, description="Most pixels (width x height) in one image, read from its header before "
+        "decoding (413 beyond)")
+    allowed_media_dir: str | None = Field(
+        None, description="Directory whose files requests may name as images (a path or file:// URL; nothing "
+        "outside it once symlinks are resolved; default: local paths refused)")
+    allow_remote_media: bool = Field(
+        False, description="Fetch http(s) image URLs named in requests (off: 400; on, clients make the server "
+        "fetch URLs: docs/security.md)")
+    remote_media_timeout: float = Field(10.0, gt=0, description="Seconds one image download may take (with --allow-remote-media)")
     log_level: str = Field("info", description="Log level (debug, info, warning, error)")
     allow_unverified_hybrid: bool = Field(
         False,
@@ -155,6 +167,13 @@ class ServiceSettings(BaseSettings):
     def accepted_keys(self) -> list[str]:
         """Every key that may call the API: --api-key and --lease-api-key."""
         return list(dict.fromkeys([*self.api_key, *self.lease_api_key]))
+
+    @field_validator("allowed_media_dir")
+    @classmethod
+    def _media_dir_exists(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isdir(value):
+            raise ValueError("not a directory")
+        return value
 
     _split_layers = field_validator("layers", mode="before")(_int_list)
     _split_keys = field_validator("api_key", "lease_api_key", mode="before")(_str_list)

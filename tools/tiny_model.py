@@ -5,8 +5,10 @@ bigger one: 16 layers x 2048 hidden), `qwen3_moe` (a mixture of experts),
 `qwen3_next` (a hybrid: Gated DeltaNet linear-attention layers, one full-attention
 layer in four, MoE MLPs), `deepseek_v3` (the DeepSeek-V3 / Kimi-K2 architecture:
 MLA attention, sigmoid `noaux_tc` routing over routed + 1 shared expert, first layer dense)
-and `kimi_k25` (Kimi-K2.5: that DeepSeek-V3 text model behind a one-block MoonViT vision
-tower, in the multimodal checkpoint layout vLLM's `KimiK25ForConditionalGeneration` loads).
+`kimi_k25` (Kimi-K2.5: that DeepSeek-V3 text model behind a one-block MoonViT vision
+tower, in the multimodal checkpoint layout vLLM's `KimiK25ForConditionalGeneration` loads)
+and `qwen2_5_vl` (Qwen2.5-VL: a small ViT with window attention and M-RoPE text; images
+through its own processor, tiny_vlm.py).
 The tokenizer is a byte-level BPE trained here on a short
 built-in text, with a ChatML-style chat template that marks assistant turns with
 `{% generation %}`, so every request kind works on it.
@@ -74,7 +76,7 @@ def make_tokenizer(out: Path, vocab_size: int = 1024):
     return fast
 
 
-FAMILIES = ("llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "kimi_k25")
+FAMILIES = ("llama", "qwen3_moe", "qwen3_next", "deepseek_v3", "kimi_k25", "qwen2_5_vl")
 
 # Kimi-K2.5's media markers (special tokens of its tokenizer)
 KIMI_MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"]
@@ -149,6 +151,10 @@ def _config(family: str, tokenizer, *, num_layers: int, hidden_size: int, interm
         cfg = Kimi_K25Config(text_config=text.to_dict(), vision_config=vision, projection_hidden_size=64,
                              tie_word_embeddings=False, **media)
         return cfg, Kimi_K25ForConditionalGeneration
+    if family == "qwen2_5_vl":
+        from hsx_tools.tiny_vlm import qwen2_5_vl_config
+
+        return qwen2_5_vl_config(common, tokenizer, head_dim)
     raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
 
 
@@ -180,8 +186,15 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer(out, vocab_size=min(vocab_size, 1024))
     if family == "kimi_k25":  # Kimi-K2.5's media markers, which vLLM's processor looks up by name
+        from hsx_tools.tiny_vlm import KIMI_CHAT_TEMPLATE
+
         tokenizer.add_special_tokens({"additional_special_tokens": KIMI_MEDIA_TOKENS})
+        tokenizer.chat_template = KIMI_CHAT_TEMPLATE  # renders image parts as Kimi's media markup
         tokenizer.save_pretrained(out)
+    if family == "qwen2_5_vl":
+        from hsx_tools.tiny_vlm import qwen_vl_tokenizer
+
+        tokenizer = qwen_vl_tokenizer(tokenizer, out)
     config, model_cls = _config(
         family, tokenizer, num_layers=num_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size,
@@ -196,6 +209,10 @@ def make_tiny_model(
         config.save_pretrained(out)
         if family == "kimi_k25":
             _write_kimi_media_config(out)
+        if family == "qwen2_5_vl":
+            from hsx_tools.tiny_vlm import write_qwen_vl_processor
+
+            write_qwen_vl_processor(out)
         _finish_config(out, family, dtype)
         return out
     torch.manual_seed(seed)
@@ -218,6 +235,10 @@ def make_tiny_model(
     if family == "kimi_k25":
         _kimi_checkpoint_layout(out)
         _write_kimi_media_config(out)
+    if family == "qwen2_5_vl":
+        from hsx_tools.tiny_vlm import write_qwen_vl_processor
+
+        write_qwen_vl_processor(out)
     _finish_config(out, family, dtype)
     return out
 

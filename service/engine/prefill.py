@@ -187,18 +187,19 @@ class PrefillEngine:
 
     async def extract(
         self, token_ids: list[int], layer_positions: list[int], reservation: "Reservation | StreamWindow",
-        request_id: str, timeout: float | None = None,
+        request_id: str, timeout: float | None = None, prompt: Any = None,
     ) -> dict:
         """Prefill `token_ids` into the reserved range; returns the phase timings. The
         caller keeps the reservation and releases it once the states are sent. On a
         failure while the worker may still write the range, this method takes it over
         (`hand_over`) and frees it on the worker's notice (`_release_on_notice`): the
-        caller's release then does nothing."""
+        caller's release then does nothing. `prompt`: vLLM's processed prompt of a chat with
+        images (its ids are `token_ids`); default: `token_ids` as they are."""
         from vllm import SamplingParams
 
         assert self.notices is not None
         if isinstance(reservation, StreamWindow):
-            return await self._extract_chunked(token_ids, layer_positions, reservation, request_id, timeout)
+            return await self._extract_chunked(token_ids, layer_positions, reservation, request_id, timeout, prompt)
         key = uuid.uuid4().hex
         notice = self.notices.expect(key)
         params = SamplingParams(
@@ -219,14 +220,14 @@ class PrefillEngine:
             held = reservation.hand_over()
             asyncio.get_running_loop().create_task(self._release_on_notice(notice, held, key, prefill))
 
-        msg = await self._run_prefill(self._prefill(token_ids, params, request_id, notice), request_id, timeout,
-                                      hand_over)
+        msg = await self._run_prefill(self._prefill(token_ids, params, request_id, notice, prompt), request_id,
+                                      timeout, hand_over)
         if not msg["ok"]:  # the notice came: nothing writes the range, the caller frees it
             raise EngineFailure(f"the engine did not deliver the hidden states ({msg.get('error')})")
         return msg["timing"]
 
     async def _extract_chunked(self, token_ids: list[int], layer_positions: list[int], window: StreamWindow,
-                               request_id: str, timeout: float | None) -> dict:
+                               request_id: str, timeout: float | None, prompt: Any = None) -> dict:
         """`extract` of a sample larger than the stream window: returns once its first chunk
         has landed; the caller then takes the chunks (`StreamWindow.next_chunk`) and closes the
         window, which cancels the rest and frees it once the worker is done with it."""
@@ -245,8 +246,8 @@ class PrefillEngine:
             if isinstance(exc, ChunkFailed):
                 raise EngineFailure(f"the engine did not deliver the hidden states ({exc})") from exc
 
-        return await self._run_prefill(self._prefill_chunked(token_ids, params, request_id, window), request_id,
-                                       timeout, close)
+        return await self._run_prefill(self._prefill_chunked(token_ids, params, request_id, window, prompt),
+                                       request_id, timeout, close)
 
     async def _run_prefill(self, coro: Any, request_id: str, timeout: float | None,
                            on_failure: Callable[[BaseException, asyncio.Task], None]) -> Any:
@@ -277,11 +278,12 @@ class PrefillEngine:
             self.engine_running -= 1
 
     async def _prefill_chunked(self, token_ids: list[int], params: Any, request_id: str,
-                               window: StreamWindow) -> dict:
+                               window: StreamWindow, prompt: Any = None) -> dict:
         from vllm.inputs import TokensPrompt
 
         t0 = time.perf_counter()
-        async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
+        prompt = prompt if prompt is not None else TokensPrompt(prompt_token_ids=token_ids)
+        async for _ in self.engine.generate(prompt, params, request_id):
             pass
         t1 = time.perf_counter()
         await window.first()
@@ -299,11 +301,13 @@ class PrefillEngine:
         except Exception:  # the engine died: fail_all notices release the range
             log.debug("abort of %s failed", request_id, exc_info=True)
 
-    async def _prefill(self, token_ids: list[int], params: Any, request_id: str, notice: asyncio.Future) -> dict:
+    async def _prefill(self, token_ids: list[int], params: Any, request_id: str, notice: asyncio.Future,
+                       prompt: Any = None) -> dict:
         from vllm.inputs import TokensPrompt
 
         t0 = time.perf_counter()
-        async for _ in self.engine.generate(TokensPrompt(prompt_token_ids=token_ids), params, request_id):
+        prompt = prompt if prompt is not None else TokensPrompt(prompt_token_ids=token_ids)
+        async for _ in self.engine.generate(prompt, params, request_id):
             pass
         t1 = time.perf_counter()
         # The output can arrive before the worker's copy notice (or after): wait for both.

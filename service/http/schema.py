@@ -12,6 +12,7 @@ class TokenizeResponse(BaseModel):
     token_ids: list[int]
     loss_mask: list[int] | None = Field(None, description="0/1 per token, when known")
     loss_mask_source: str = Field(..., description="request, chat_template or none")
+    media_mask: list[int] | None = Field(None, description="1 on each image token (chats with images only)")
     layer_ids: list[int]
     model: str
     model_revision: str
