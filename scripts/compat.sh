@@ -28,5 +28,5 @@ else
 fi
 python -c "import vllm, sys; v = vllm.__version__; print('vllm', v, 'in', sys.prefix); assert v == '$version', v"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
-exec python -m pytest -q -ra -n "${HSX_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder -m compat tests/service/test_service_correctness.py tests/service/http/test_service_hardening.py \
+exec python -m pytest -q -ra -n "${HSX_TEST_WORKERS:-0}" --dist loadgroup --no-loadscope-reorder -m compat tests/service/test_service_correctness.py tests/service/http/test_service_hardening.py \
   tests/service/test_service_startup.py tests/service/engine/test_parallel.py tests/service/engine/test_model_families.py "$@"

@@ -7,7 +7,8 @@ bash scripts/install.sh --test
 . "${HSX_VENV:-.venv}/bin/activate"
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 # --durations: the slowest tests at the end of every run, so a test that grows slow shows.
-# Two pytest workers (HSX_TEST_WORKERS; 0 runs in one process): a CPU engine's start is mostly
-# one core's work, so a second worker uses the box's other core. tests/conftest.py groups
-# the modules that share a server, so each server still starts once.
-exec python -m pytest -q -ra --durations=25 -n "${HSX_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+# HSX_TEST_WORKERS=2 runs two pytest-xdist workers; tests/conftest.py groups the modules that
+# share a server, so each server still starts once. One process by default: on the 2-core
+# box two workers' engines (each binding its OpenMP threads to both cores) slowed each other
+# down more than the second worker gained, and timing-bound tests failed (bench/README.md).
+exec python -m pytest -q -ra --durations=25 -n "${HSX_TEST_WORKERS:-0}" --dist loadgroup --no-loadscope-reorder "$@"

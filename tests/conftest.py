@@ -159,6 +159,8 @@ def pytest_collection_modifyitems(session, config, items):
         item.add_marker(pytest.mark.xdist_group(group))
     # Longest groups first (scripts/test.sh passes --no-loadscope-reorder, so workers take
     # them in this order): the slowest ones never start last beside an idle worker.
+    if not hasattr(config, "workerinput"):  # one process: the modules' own order
+        return
     size = {group: sum(1 for g in groups.values() if g == group) for group in set(groups.values())}
     rank = {group: (LONGEST_GROUPS.index(group) if group in LONGEST_GROUPS else len(LONGEST_GROUPS), -size[group])
             for group in size}
