@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hsx_tools.server_process import MetricValues, free_port
@@ -62,6 +63,23 @@ class EngineGuard:
                                "@pytest.mark.engine: the fast tier (-m 'not engine and not slow') would start it")
 
 
+@dataclass
+class EngineStart:
+    """One `hsx serve` started by the tests: the run's summary counts them (what CI time goes to)."""
+
+    name: str
+    by: str  # the fixture, else the test, that started it
+    began: float = field(default_factory=time.monotonic)
+    seconds: float | None = None  # until ready (or failed to be)
+
+    def ready(self) -> None:
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self.began
+
+
+ENGINE_STARTS: list[EngineStart] = []
+
+
 class ServerProcess(_ServerProcess):
     """`hsx serve` with the test environment and its log in `log_dir`.
 
@@ -77,11 +95,16 @@ class ServerProcess(_ServerProcess):
             args = (*args, "--enforce-eager")
         port = free_port()
         super().__init__(model, *args, log_path=log_dir / f"{name}-{port}.log", env=env or engine_env(), port=port)
+        self.census = EngineStart(name, EngineGuard.fixture or getattr(EngineGuard.test, "nodeid", "?"))
+        ENGINE_STARTS.append(self.census)
 
     def wait_ready(self, timeout: float = 600.0) -> "ServerProcess":
         """Ten minutes: a CPU engine starts in ~25 s, but a 2-core box shared with other
         work was seen to take over five."""
-        return super().wait_ready(timeout)
+        try:
+            return super().wait_ready(timeout)
+        finally:
+            self.census.ready()
 
 
 class Servers:

@@ -253,3 +253,18 @@ def e2e_pool(tmp_path_factory):
         yield pool
     finally:
         pool.stop_all()
+
+
+# ----------------------------------------------------------------------------- engine census
+def pytest_terminal_summary(terminalreporter):
+    """How many `hsx serve` engines this run started and how long each took to be ready:
+    engine start-up is most of the engine tiers' time on the 2-core CI box."""
+    from _server import ENGINE_STARTS
+
+    if not ENGINE_STARTS:
+        return
+    total = sum(s.seconds or 0.0 for s in ENGINE_STARTS)
+    terminalreporter.write_sep("-", f"engine starts: {len(ENGINE_STARTS)}, {total:.0f} s until ready in all")
+    for s in sorted(ENGINE_STARTS, key=lambda s: -(s.seconds or 0.0)):
+        took = "not waited for" if s.seconds is None else f"{s.seconds:6.1f} s"
+        terminalreporter.write_line(f"{took}  {s.name:<16} {s.by}")
