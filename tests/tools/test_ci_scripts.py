@@ -39,3 +39,19 @@ def test_ci_runs_the_fast_tier_beside_the_wheel_check_then_the_readme_s_command(
     assert "HSX_VENV=" in run and "HSX_COMPAT_VENVS=" in run  # reused between clones, stamped by what they install
     for script in ("install.sh", "compat.sh"):
         assert ".hsx-install" in (REPO / "scripts" / script).read_text()
+
+
+def test_ci_builds_the_compat_environments_in_the_background_from_the_start():
+    """A cold machine's compat environments were built inside the compat stages, one after the
+    other, after the engine tiers; now they build beside the first stages and the compat stages
+    wait for them."""
+    lines = (REPO / ".ci" / "run").read_text().splitlines()
+    at = {s: next(i for i, ln in enumerate(lines) if s in ln and not ln.lstrip().startswith("#"))
+          for s in ("--install-only", '"not engine and not slow"', "stage \"compatibility environments",
+                    'stage "compatibility check')}
+    assert at["--install-only"] < at['"not engine and not slow"']
+    assert at["stage \"compatibility environments"] < at['stage "compatibility check']
+    compat = (REPO / "scripts" / "compat.sh").read_text()
+    assert '= --install-only ] && exit 0' in compat
+    for script in ("install.sh", "compat.sh"):  # uv where it can be had (scripts/venv_install.sh)
+        assert ". scripts/venv_install.sh" in (REPO / "scripts" / script).read_text()
