@@ -52,7 +52,7 @@ from typing import Any
 
 from hsx.exit_codes import ExitCode
 from hsx.host import usable_cores
-from hsx_client.corpus import journal, store
+from hsx_client.corpus import images, journal, store
 from hsx_client.api import HsxClient, RawResponse
 from hsx_client.errors import (
     AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError, ServersUnreachableError,
@@ -396,6 +396,8 @@ class RunLoop:
         lease_ok = index not in st.http_only
         try:
             body = st.request_body(index)
+            if images.needs_inlining(body):  # its image files, read now (the plan holds their paths)
+                body = await asyncio.to_thread(images.inline, body)
             if stream:
                 raw = await st.client.hidden_states_stream(body, lease_ok=lease_ok, chunk_bytes=self.chunk_bytes)
             else:  # a format may ask for less than states (POST /tokenize)
@@ -419,6 +421,9 @@ class RunLoop:
             return None
         except AuthenticationError as exc:
             self._stop_on(exc, "authentication failed")
+            return None
+        except images.ImageFileError as exc:
+            self._fail(index, "bad_request", exc)
             return None
         except LeaseExpiredError as exc:
             self._lease_expired(index, exc)
