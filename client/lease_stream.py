@@ -90,7 +90,7 @@ class LeaseStream:
         if len(shape) != 3 or shape[0] != len(arrays["token_ids"]):
             raise wire.WireFormatError(f"hidden_states {shape} does not match {len(arrays['token_ids'])} tokens")
         self._head = SampleHead(arrays["token_ids"], arrays.get("loss_mask"), meta,
-                                getattr(torch, dtypes.BY_ST[lease["dtype"]].name), shape)
+                                getattr(torch, dtypes.BY_ST[lease["dtype"]].name), shape, arrays.get("media_mask"))
         self._taken = await self._take_next()  # before the caller does anything slow
         return self._head
 

@@ -45,6 +45,7 @@ class SampleHead:
     metadata: dict[str, str]
     dtype: Any  # torch.dtype of hidden_states
     shape: tuple[int, int, int]  # [T, L, H]
+    media_mask: np.ndarray | None = None  # uint8 [T]: 1 on each image token (chats with images)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -239,7 +240,7 @@ class BodyParser:
             raise StreamError(f"body ended after {got} bytes, before its header's end (truncated?)")
         assert self.layout is not None
         tensors = {}
-        for name in ("token_ids", "loss_mask"):
+        for name in ("token_ids", "loss_mask", "media_mask"):
             e = self._header.get(name)
             if e is None:
                 continue
@@ -254,7 +255,10 @@ class BodyParser:
         t = self.layout.shape[0]
         if ids.shape != (t,) or (mask is not None and mask.shape != (t,)):
             raise StreamError(f"token_ids {ids.shape} / loss_mask do not match {t} tokens of states")
-        return SampleHead(ids, mask, self.layout.metadata, self.layout.dtype, self.layout.shape)
+        media = tensors.get("media_mask")
+        if media is not None and media.shape != (t,):
+            raise StreamError(f"media_mask {media.shape} does not match {t} tokens of states")
+        return SampleHead(ids, mask, self.layout.metadata, self.layout.dtype, self.layout.shape, media)
 
 
 class ZstdPieces:
@@ -311,7 +315,7 @@ class WholeSampleStream:
     async def head(self) -> SampleHead:
         d = self._decode()
         hs = d.hidden_states
-        return SampleHead(d.token_ids, d.loss_mask, d.metadata, hs.dtype, tuple(hs.shape))
+        return SampleHead(d.token_ids, d.loss_mask, d.metadata, hs.dtype, tuple(hs.shape), d.media_mask)
 
     async def chunks(self) -> AsyncIterator[StatesChunk]:
         hs = self._decode().hidden_states
