@@ -74,11 +74,11 @@ def source_dir(spec: str) -> Path | None:
 
 
 def row_images(row: dict) -> list[Any]:
-    """The images of a row's `image` / `images` field, in order (none: [])."""
+    """The images of a row's `image` / `images` field, in order (none, or empty as text rows of
+    mixed datasets have them: [])."""
     value = row.get("images", row.get("image"))
-    if value is None:
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if v is not None and v != ""]
 
 
 def _file_url(path: str, where: str, base: Path | None) -> str:

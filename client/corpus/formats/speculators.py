@@ -203,7 +203,9 @@ class SpeculatorsFormat(Eagle3Format):
                         raise CorpusFormatError(f"{self.hs_path(p)}: " + "; ".join(probs))
                     ids_b.append(ids)
                     mask_b.append(runs_to_mask(rows[p]["mask_runs"]))
-                    media_b.append(runs_to_mask(rows[p]["media_runs"]) if "media_runs" in rows[p] else np.zeros(len(ids), np.int64))
+                    if media:
+                        runs = rows[p].get("media_runs")
+                        media_b.append(runs_to_mask(runs) if runs else np.zeros(len(ids), np.int64))
                 flat_ids, flat_mask = np.concatenate(ids_b), np.concatenate(mask_b)
                 if dense is not None and (flat_ids.size == 0 or 0 <= flat_ids.min() and flat_ids.max() < dense.size):
                     dense += np.bincount(flat_ids[flat_mask.astype(bool)], minlength=dense.size)

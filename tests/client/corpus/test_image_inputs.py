@@ -108,3 +108,14 @@ def test_a_text_row_mentioning_the_placeholder_is_untouched(tmp_path):
     samples = read_samples([str(path)])
     assert samples[0].request["messages"][0]["content"] == "Is <image> a tag 0?"  # no image field: plain text
     assert not images.needs_inlining(samples[0].request)
+
+
+def test_an_empty_image_field_is_a_text_row(tmp_path):
+    """Mixed datasets give their text rows `"image": ""` or null."""
+    path = tmp_path / "mixed.jsonl"
+    rows = [{"image": v, "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}
+            for v in ("", None, [])]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad: list = []
+    samples = read_samples([str(path)], bad_rows=bad)
+    assert not bad and [s.request["messages"][0]["content"] for s in samples] == ["Hi"] * 3
