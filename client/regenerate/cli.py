@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             chained += ["--server", url]
         if args.api_key:
             chained += ["--api-key", args.api_key]
+        chained += ["--concurrency-per-server", str(args.concurrency_per_server)]  # one pass: what drives it
         route, reason = asyncio.run(choose_route(cfg, args.two_pass))
         print(f"hsx regenerate: {route}: {reason}", file=sys.stderr)
         if route == ONE_PASS:
