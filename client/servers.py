@@ -5,6 +5,7 @@ described in hsx_client.api's docstring)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import random
 import time
 import uuid
@@ -22,6 +23,11 @@ from .errors import (
 )
 
 T = TypeVar("T")
+
+# A server URL the requests of this task go to while it is healthy (others only when it is
+# not): one-pass regeneration (hsx_client.regenerate.one_pass) sends a conversation's
+# generation and its states request to one server, whose prefix cache then holds the states.
+AFFINITY: contextvars.ContextVar[str | None] = contextvars.ContextVar("hsx_server_affinity", default=None)
 
 _RETRY_AFTER_CAP = 300.0
 
@@ -181,6 +187,9 @@ class ServerSet:
             now = time.monotonic()
             self._start_due_probes(now)
             healthy = [s for s in self.servers if s.healthy]
+            wanted = AFFINITY.get()
+            if wanted is not None and any(s.url == wanted for s in healthy):
+                healthy = [s for s in healthy if s.url == wanted]  # wait for it rather than go elsewhere
             free = [s for s in healthy if s.in_flight < s.capacity]
             if free:
                 best = min(free, key=lambda s: (s.busy_until > now, s.in_flight, s.last_pick))

@@ -218,19 +218,9 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
                 errors.setdefault(conv.key, str(exc))
                 examples.setdefault(reason, f"{conv.key}: {getattr(exc, 'message', exc)}")
                 return
-            row: dict[str, Any] = {"messages": out.messages}
-            if conv.tools:
-                row["tools"] = conv.tools
-            row["hsx_turns"] = out.turns
-            row["hsx_regenerated"] = {"key": conv.key, "source": conv.source, "ended": out.ended,
-                                      "seed": cfg.sampling.conversation_seed(conv.key)}
+            journal.record(conv.key, conversation_row(cfg, conv, out, sampling, variant))
             if variant is not None:
-                row["hsx_regenerated"]["variant"] = variant.name
-                row["hsx_regenerated"]["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                                                      "max_tokens": sampling.max_tokens,
-                                                      "chat_template_kwargs": sampling.chat_template_kwargs}
                 stats["variants"][variant.name] += 1
-            journal.record(conv.key, row)
             stats["conversations"] += 1
             stats["turns"] += len(out.turns)
             stats["generated_tokens"] += out.generated_tokens
@@ -252,18 +242,7 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
             bar.close()
     elapsed = time.monotonic() - started
     keys = [c.key for c in conversations]
-    manifest = {
-        "what": "hsx regenerate",
-        "inputs": cfg.inputs,
-        "sampling": plan_of(cfg, conversations)["sampling"],
-        "model": info.get("model"),
-        "model_revision": info.get("model_revision"),
-        "vllm_version": info.get("vllm_version"),
-        "hsx_version": hsx_version,
-        "server_hsx_version": info.get("hsx_version"),
-        "planned": len(keys),
-        "complete": all(k in journal.done for k in keys),
-    }
+    manifest = output_manifest(cfg, conversations, journal, info)
     if not interrupted:
         manifest = journal.write_output(keys, manifest)
     dropped = [k for k in keys if k in journal.done and journal.done[k] is None]  # journaled as None
@@ -299,6 +278,40 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
     if interrupted:
         return RegenResult(ExitCode.INTERRUPTED, summary)
     return RegenResult(ExitCode.OK if manifest["complete"] else ExitCode.FAILED, summary)
+
+
+def conversation_row(cfg: RegenConfig, conv: Conversation, out: Any, sampling: Sampling, variant: Any) -> dict:
+    """The output row of one regenerated conversation (`out`: turns.Regenerated)."""
+    row: dict[str, Any] = {"messages": out.messages}
+    if conv.tools:
+        row["tools"] = conv.tools
+    row["hsx_turns"] = out.turns
+    row["hsx_regenerated"] = {"key": conv.key, "source": conv.source, "ended": out.ended,
+                              "seed": cfg.sampling.conversation_seed(conv.key)}
+    if variant is not None:
+        row["hsx_regenerated"]["variant"] = variant.name
+        row["hsx_regenerated"]["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                              "max_tokens": sampling.max_tokens,
+                                              "chat_template_kwargs": sampling.chat_template_kwargs}
+    return row
+
+
+def output_manifest(cfg: RegenConfig, conversations: list[Conversation], journal: Journal,
+                    info: dict[str, Any]) -> dict[str, Any]:
+    """The output's manifest (how it was made), before `Journal.write_output` adds its size."""
+    keys = [c.key for c in conversations]
+    return {
+        "what": "hsx regenerate",
+        "inputs": cfg.inputs,
+        "sampling": plan_of(cfg, conversations)["sampling"],
+        "model": info.get("model"),
+        "model_revision": info.get("model_revision"),
+        "vllm_version": info.get("vllm_version"),
+        "hsx_version": hsx_version,
+        "server_hsx_version": info.get("hsx_version"),
+        "planned": len(keys),
+        "complete": all(k in journal.done for k in keys),
+    }
 
 
 def output_counts(keys: list[str], done: dict[str, Any]) -> dict[str, int]:
