@@ -85,7 +85,9 @@ def _batches(registration, data: Path, max_len: int):
     return list(loader)
 
 
-def train_specforge(data: Path, draft: str, model: Path, steps: int) -> list[float]:
+def train_specforge(data: Path, draft: str, model: Path, steps: int) -> tuple[list[float], int]:
+    """The loss of each step, and the number of batches the steps cycle through (step i
+    trains batch i % n, one sample each)."""
     import torch
 
     from specforge.algorithms.builtin import builtin_algorithm_registry
@@ -108,7 +110,7 @@ def train_specforge(data: Path, draft: str, model: Path, steps: int) -> list[flo
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(round(float(out.loss.detach()), 4))
-    return losses
+    return losses, len(batches)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, type=Path, help="the target model directory")
     p.add_argument("--steps", type=int, default=40)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    print("LOSSES " + json.dumps(train_specforge(a.data, a.draft, a.model, a.steps)))
+    losses, batches = train_specforge(a.data, a.draft, a.model, a.steps)
+    print(f"BATCHES {batches}")
+    print("LOSSES " + json.dumps(losses))
     return 0
 
 

@@ -194,7 +194,11 @@ def train_specforge(data: Path, draft: str, target: Path, steps: int, work: Path
     found = re.findall(r"^LOSSES (\[.*\])$", text, re.M)
     if r.returncode or not found:
         raise SystemExit(f"specforge {draft} failed ({r.returncode}):\n{text[-3000:]}")
+    BATCHES[draft] = int(re.findall(r"^BATCHES (\d+)$", text, re.M)[-1])
     return json.loads(found[-1])
+
+
+BATCHES: dict[str, int] = {}  # SpecForge pairs: the batches its steps cycle through (one sample each)
 
 
 def specforge_target(model: Path, work: Path) -> Path:
@@ -255,7 +259,13 @@ def verifier_for(draft: str, work: Path) -> Path:
     return tiny_qwen3(work) if draft in QWEN3_DRAFTS else MODEL
 
 
-def falls(loss: list[float]) -> bool:
+def falls(loss: list[float], cycle: int | None = None) -> bool:
+    """The last quarter's mean below the first's; where the steps cycle through `cycle` batches
+    of one sample each (SpecForge's loop) and visit each twice or more, each batch's first
+    visit against its last (the first `cycle` steps against the last `cycle`), so that
+    samples of other difficulty do not decide it."""
+    if cycle and len(loss) >= 2 * cycle:
+        return sum(loss[-cycle:]) < sum(loss[:cycle])
     q = max(1, len(loss) // 4)
     return len(loss) >= 4 and sum(loss[-q:]) / q < sum(loss[:q]) / q
 
@@ -274,8 +284,8 @@ def run(pairs: list[tuple[str, str]], steps: int, samples: int, work: Path) -> l
         data = work / f"corpus-{fmt}-{draft}"
         layers = write_corpus(data, fmt, draft, rows, states, n, norm, CORPUS_DTYPE.get((fmt, draft), "float32"))
         loss = train_pair(fmt, draft, data, layers, n, steps, work, verifier)
-        runs.append({"trainer": fmt, "draft": draft, "layers": layers, "loss": loss, "falls": falls(loss),
-                     "steps": len(loss), "seconds": round(time.perf_counter() - t0, 1), "verifier": verifier.name})
+        runs.append({"trainer": fmt, "draft": draft, "layers": layers, "loss": loss, "falls": falls(loss, BATCHES.get(draft) if fmt == "specforge" else None),
+                     "steps": len(loss), **({"cycle": BATCHES[draft]} if fmt == "specforge" else {}), "seconds": round(time.perf_counter() - t0, 1), "verifier": verifier.name})
         log(f"{fmt} {draft} layers {layers}: loss {loss[:1]} ... {loss[-1:]} ({runs[-1]['seconds']} s)")
     return runs
 
