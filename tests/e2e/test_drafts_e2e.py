@@ -88,4 +88,7 @@ def test_a_dflash_draft_trains_online_from_a_token_table(pool, tmp_path):
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
     losses = [float(x) for x in re.findall(r"train/loss=([0-9.]+)", log)]
-    assert len(losses) == 2 and all(x == x and x > 0 for x in losses), log[-4000:]
+    # six rows pack into one or two batches of 512 tokens: the epoch ends at its last one
+    assert 1 <= len(losses) <= 2 and all(x == x and x > 0 for x in losses), log[-4000:]
+    assert re.search(r"val/loss_epoch=[0-9.]+", log), log[-4000:]
+    assert (tmp_path / "ckpt" / "0" / "config.json").exists()
