@@ -3,7 +3,8 @@
 hsx makes importable beside the CPU torch: hsx/compat.py). One server: a chat with one
 image and one with three images of different sizes and formats, every layer id (0 included)
 against transformers' Qwen2.5-VL fed the same image processor outputs and the same M-RoPE
-positions (transformers computes them only when told which tokens are image tokens)."""
+positions (transformers computes them only when told which tokens are image tokens); the
+same images through /v1/chat/completions."""
 
 from __future__ import annotations
 
@@ -120,3 +121,39 @@ def _size(data: bytes) -> tuple[int, int]:
     from PIL import Image
 
     return Image.open(io.BytesIO(data)).size
+
+
+@pytest.mark.engine
+def test_chat_completion_with_images_takes_transformers_greedy_token(image_server, qwen_vl_model):
+    """/v1/chat/completions with the same image parts: the prompt ids are the expanded ones,
+    the first greedy token is transformers' argmax on them and the same images, and a bad
+    image is refused naming its part while the engine serves on."""
+    from transformers import AutoImageProcessor
+
+    from _reference import load
+
+    images = [img.png(60, 90, (20, 160, 60)), img.jpeg(200, 150)]
+    chat = [{"role": "user", "content": [*(img.image_part(img.data_uri(b)) for b in images),
+                                         {"type": "text", "text": "What is in them?"}]}]
+    r = httpx.post(image_server.url + "/v1/chat/completions", timeout=300,
+                   json={"messages": chat, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    ids, first = out["prompt_token_ids"], out["choices"][0]["token_ids"][0]
+    pad = json.loads((qwen_vl_model / "config.json").read_text())["image_token_id"]
+    media = torch.tensor([int(i == pad) for i in ids])
+    assert out["usage"]["prompt_tokens"] == len(ids) and int(media.sum()) >= 4 * len(images)
+    from PIL import Image
+
+    mm = AutoImageProcessor.from_pretrained(qwen_vl_model)([Image.open(io.BytesIO(b)).convert("RGB") for b in images],
+                                                           return_tensors="pt")
+    with torch.no_grad():
+        logits = load(str(qwen_vl_model))(torch.as_tensor([ids]), pixel_values=mm["pixel_values"],
+                                          image_grid_thw=mm["image_grid_thw"],
+                                          mm_token_type_ids=media[None].int()).logits[0, -1]
+    top2 = logits.topk(2)
+    assert first == int(top2.indices[0]) or float(top2.values[0] - top2.values[1]) < 1e-4, (first, top2)
+    bad = httpx.post(image_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": [img.image_part(img.data_uri(img.SVG, "image/svg+xml"))]}]})
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("messages[0].content[0]: ")
+    assert httpx.get(image_server.url + "/health", timeout=10).status_code == 200
