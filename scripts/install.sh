@@ -14,7 +14,7 @@ venv=${HSX_VENV:-.venv}
 . "$venv/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 stamp="$venv/.hsx-install"
-want="$with_tests $(cat pyproject.toml "$0" | sha256sum) $(python -V)"
+want="$with_tests $(cat pyproject.toml "$0" scripts/hsx-torchvision-ops.pth | sha256sum) $(python -V)"
 here=$(python -c "import pathlib, hsx_service; print(pathlib.Path(hsx_service.__file__).parent.parent)" 2>/dev/null || true)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   # The same packages: point the editable install at this checkout, unless it already does.
