@@ -22,17 +22,19 @@ class HttpSampleStream:
     """`response`: the httpx response, open (status 200 checked); `closer`: closes it (the
     `http.stream(...)` context). Transport errors mid-body are the client's HsxErrors
     (`wrap_transport`), a body that is not one sample a ResponseValidationError; `account`
-    gets (wire bytes, body bytes, seconds receiving) once the body is through."""
+    gets (wire bytes, body bytes, seconds receiving, seconds decoding after the last byte)
+    once the body is through."""
 
     def __init__(self, response: Any, closer: Callable[[], Awaitable[Any]], *, encoding: str,
                  wrap_transport: Callable[[Exception], HsxError], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  request_id: str | None = None, server: str = "",
-                 account: Callable[[int, int, float], None] | None = None) -> None:
+                 account: Callable[[int, int, float, float], None] | None = None) -> None:
         self._resp = response
         self._closer = closer
         self._wrap_transport = wrap_transport
         self._account = account
         self._t0 = time.perf_counter()
+        self._t_last_byte: float | None = None
         self._parser = BodyParser(chunk_bytes)
         if response.is_stream_consumed:  # a transport that hands back read (decoded) responses: tests' fakes
             self._zstd, self._raw_iter = None, _one(response.content)
@@ -55,6 +57,7 @@ class HttpSampleStream:
         try:
             raw = await self._raw_iter.__anext__()
         except StopAsyncIteration:
+            self._t_last_byte = time.perf_counter()
             return None
         except HsxError:
             raise
@@ -127,9 +130,11 @@ class HttpSampleStream:
         self._body_through(self._parser.body_bytes)
 
     def _body_through(self, body_bytes: int) -> None:
-        self.receive_s = time.perf_counter() - self._t0
+        now = time.perf_counter()
+        last_byte = self._t_last_byte or now
+        self.receive_s = last_byte - self._t0
         if self._account is not None:
-            self._account(self.wire_bytes, body_bytes, self.receive_s)
+            self._account(self.wire_bytes, body_bytes, self.receive_s, now - last_byte)
 
     async def head(self) -> SampleHead:
         if self._head is None:

@@ -82,10 +82,11 @@ async def _answer_stream(client: HsxClient, server: ServerState, resp: httpx.Res
         await close()
         return WholeSampleStream(raw, client)
 
-    def account(wire_bytes: int, body_bytes: int, seconds: float) -> None:
+    def account(wire_bytes: int, body_bytes: int, receive_s: float, decode_s: float) -> None:
         server.wire_bytes += wire_bytes
         server.body_bytes += body_bytes
-        server.receive_s += seconds
+        server.receive_s += receive_s
+        server.decode_s += decode_s  # what is left after the last byte: the last batch's decode
 
     return HttpSampleStream(resp, close, encoding=encoding, chunk_bytes=chunk_bytes, request_id=rid,
                             server=server.url, account=account,
