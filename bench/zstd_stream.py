@@ -43,7 +43,8 @@ def _serve(port: int, mb: int, threads: int, frame_threads: int) -> None:
     from hsx.wire import TensorSpec
     from hsx_service.body.encode import encode_body
     from hsx_service.body.compress import CompressPool
-    from hsx_service.body.response import Stats, choose_coding
+    from hsx_service.body.negotiate import choose_coding
+    from hsx_service.body.response import Stats
 
     tokens, states = _states(mb)
     specs = [TensorSpec("hidden_states", "BF16", (tokens, LAYERS, HIDDEN))]
