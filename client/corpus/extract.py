@@ -347,7 +347,7 @@ class Extractor:
         return done, failed, redo
 
     def _check_disk(self, todo: list[int], keys: list[str], samples: planning.Samples, settings: CorpusSettings,
-                    info: dict[str, Any], fmt: Any, ctx: Any) -> store.DiskEstimate | None:
+                    info: dict[str, Any], fmt: Any, ctx: Any) -> disk_estimate.DiskEstimate | None:
         if not todo:
             return None
         corpus = self.out / store.CORPUS_NAME
@@ -360,7 +360,7 @@ class Extractor:
         need = disk_estimate.disk_needed((samples.by_key[keys[i]].request for i in todo), fmt.bytes_per_token(ctx),
                                     settings.max_length, info.get("max_model_len"),
                                     counts.ratio if counts else 1.0, counts.kept if counts else 1.0)
-        est = store.check_disk_space(self.out, need, force=self.cfg.force_disk)
+        est = disk_estimate.check_disk_space(self.out, need, force=self.cfg.force_disk)
         self._disk_estimate = need
         return est
 
