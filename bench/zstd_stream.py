@@ -1,5 +1,5 @@
-"""A zstd-coded /hidden_states body, decoded while it arrives (HsxClient since 2026-12-02,
-client/zstd_stream.py) against received whole and then decoded in one step (before), in
+"""A zstd-coded /hidden_states body, decoded while it arrives (HsxClient since 2026-12-02;
+client/zstd_stream.py, the client's one incremental decoder) against received whole and then decoded in one step (before), in
 one process, against one server process.
 
 The server is uvicorn with hsx serve's own body coder (hsx_service.body.encode.encode_body: one
