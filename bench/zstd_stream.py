@@ -1,6 +1,6 @@
 """A zstd-coded /hidden_states body, decoded while it arrives (HsxClient since 2026-12-02;
-client/zstd_stream.py, the client's one incremental decoder) against received whole and then decoded in one step (before), in
-one process, against one server process.
+client/zstd_stream.py, the client's one incremental decoder) against received whole and then
+decoded in one step (before), in one process, against one server process.
 
 The server is uvicorn with hsx serve's own body coder (hsx_service.body.encode.encode_body: one
 zstd frame compressed in 4 MiB steps on its compression pool, sent as each step ends), so
