@@ -1,8 +1,12 @@
 """The report of bench/draft_quality.py: hsx's corpus against the reference's, the runs'
-figures summed over seeds, and the plot of both (the driver is draft_quality.py)."""
+figures summed over seeds, and the plot of both (the driver is draft_quality.py).
+`python bench/draft_quality_report.py REPORT.json [--plot FILE.png]` draws a recorded report again."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +87,18 @@ def plot(report: dict, path: Path) -> str | None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return None
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description="Draw a recorded draft_quality report again.")
+    p.add_argument("report", type=Path, help="the JSON bench/draft_quality.py wrote")
+    p.add_argument("--plot", type=Path, help="the PNG to write [REPORT with .png]")
+    a = p.parse_args(argv)
+    why = plot(json.loads(a.report.read_text()), a.plot or a.report.with_suffix(".png"))
+    if why:
+        print(why, file=sys.stderr)
+    return 1 if why else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
