@@ -18,8 +18,8 @@ import httpx
 from hsx_client import shm
 
 from .errors import (
-    ConnectionFailedError, HsxError, RequestTimeoutError, RetriesExhaustedError, ServerBusyError, ServerError,
-    ServersUnreachableError,
+    ConnectionFailedError, HsxError, RequestTimeoutError, ResponseValidationError, RetriesExhaustedError,
+    ServerBusyError, ServerError, ServersUnreachableError,
 )
 
 T = TypeVar("T")
@@ -210,6 +210,10 @@ class ServerSet:
             await self._wait_change(max(0.01, min(due)) if due else None)
 
     def release(self, s: ServerState, error: HsxError | None) -> None:
+        """The one place a request's outcome becomes the server's health: a refusal (4xx) is
+        the request's fault; busy waits out its Retry-After; a lost connection, a 5xx or a
+        malformed body sets the server aside for the cooldown (only the 5xx counts toward
+        `max_server_errors`, in `with_retries`)."""
         s.in_flight -= 1
         if error is None:
             s.ok += 1
@@ -222,7 +226,7 @@ class ServerSet:
                 pass
             elif isinstance(error, ServerBusyError):
                 s.busy_until = time.monotonic() + (error.retry_after or self.backoff_base)
-            elif isinstance(error, (ConnectionFailedError, ServerError)):
+            elif isinstance(error, (ConnectionFailedError, ServerError, ResponseValidationError)):
                 s.healthy = False
                 s.unhealthy_until = time.monotonic() + self.unhealthy_cooldown
         self.notify()
