@@ -12,6 +12,12 @@ handling (service/media), errors as {"error": {type, message}}.
 Reasoning: `hsx serve --reasoning-parser NAME` is vLLM's own engine flag; with it, the
 reply's text is split into `reasoning_content` and `content` by vLLM's parser of that name,
 the way `vllm serve` splits it.
+
+States of a generated conversation: the capture layer writes them into KV pages at every
+forward of a generation too (prefill and decode steps), and with prefix caching a
+/hidden_states request for the conversation's ids right after reuses those pages, computing
+only the last partial block: `hsx regenerate --extract-to` in one pass
+(client/regenerate/one_pass.py; /info's `regeneration` says whether this server can).
 """
 
 from __future__ import annotations
