@@ -12,8 +12,10 @@ verifiers only: a random Qwen3 of the same shape and tokenizer) on the CPU:
    (`get_format(format, draft=...)`: encode_sample, finalize), as the run loop does;
 2. training: speculators through its `train` entry (`python -m hsx_client.training.speculators_train
    --device cpu --speculator-type DRAFT`, its file backend reading the corpus); SpecForge
-   through its algorithm registry (bench/_specforge_train.py): the offline provider's reader,
-   normalizer and collator over the corpus, the registered draft and training model, its loss;
+   through its algorithm registry (bench/_specforge_train.py, a process with TRITON_INTERPRET=1:
+   EAGLE-3's loss is a Triton kernel): the offline provider's reader, normalizer and collator
+   over the corpus, the registered draft and training model, its loss; the target is the
+   fixture with the `*.index.json` SpecForge's target head loader reads (specforge_target);
 3. the loss of each step; the pair passes when the mean of the last quarter is below the
    mean of the first quarter.
 Writes {"runs": [{"trainer", "draft", "layers", "loss": [first ... last], "falls"}], ...}.
@@ -42,10 +44,10 @@ def log(msg: str) -> None:
     print(f"[draft_families] {msg}", file=sys.stderr, flush=True)
 
 
-# SpecForge's EAGLE-3 is left out: its frozen target head loads a sharded checkpoint's
-# index.json and its loss is a Triton kernel (a GPU); tests/client/corpus cover that corpus
-# with SpecForge's own reader, and the EAGLE-3 CPU training route is speculators'.
-SKIPPED = {("specforge", "eagle3")}
+SKIPPED: set[tuple[str, str]] = set()  # every pair the trainers support is trained
+# SpecForge's EAGLE-3 meets its bfloat16 target head with the stored hidden_state as stored
+# (bench/_specforge_train.py, DTYPE): its corpus is bfloat16, as hsx serve's default writes it.
+CORPUS_DTYPE = {("specforge", "eagle3"): "bfloat16"}
 
 
 def all_pairs() -> list[tuple[str, str]]:
@@ -104,8 +106,11 @@ def final_norm(model: Path):
     return FinalNorm(w.float().numpy(), cfg["rms_norm_eps"], "rms")
 
 
-def write_corpus(out: Path, fmt_name: str, draft: str, rows: list, states: list, n: int, norm) -> list[int]:
-    """The corpus of one pair through hsx's writers; returns its layers."""
+def write_corpus(out: Path, fmt_name: str, draft: str, rows: list, states: list, n: int, norm,
+                 dtype: str = "float32") -> list[int]:
+    """The corpus of one pair through hsx's writers, its states in `dtype`; returns its layers."""
+    import torch
+
     import numpy as np
 
     from hsx.wire import Decoded
@@ -114,13 +119,13 @@ def write_corpus(out: Path, fmt_name: str, draft: str, rows: list, states: list,
 
     layers = drafts.default_layers(draft, fmt_name, n)
     fmt = get_format(fmt_name, draft=draft)
-    ctx = CorpusContext(layer_ids=layers, hidden_size=states[0].shape[-1], dtype="float32",
+    ctx = CorpusContext(layer_ids=layers, hidden_size=states[0].shape[-1], dtype=dtype,
                         final_norm=norm if fmt.needs_final_norm else None, draft_vocab_size=DRAFT_VOCAB,
                         vocab_size=512, mask_policy="per_turn")
     out.mkdir(parents=True, exist_ok=True)
     records = []
     for i, ((ids, mask), hs) in enumerate(zip(rows, states)):
-        d = Decoded(hidden_states=hs[:, layers].contiguous(), token_ids=np.asarray(ids, np.int64),
+        d = Decoded(hidden_states=hs[:, layers].to(getattr(torch, dtype)).contiguous(), token_ids=np.asarray(ids, np.int64),
                     loss_mask=np.asarray(mask, np.uint8), metadata={"layer_ids": json.dumps(layers)})
         if fmt.drop_reason(np.asarray(mask)):
             continue
@@ -171,10 +176,47 @@ def train_pair(fmt: str, draft: str, data: Path, layers: list[int], n: int, step
                verifier: Path) -> list[float]:
     if fmt == "speculators":
         return train_speculators(data, draft, layers, n, steps, work, verifier)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _specforge_train import train_specforge
+    return train_specforge(data, draft, specforge_target(verifier, work), steps, work)
 
-    return train_specforge(data, draft, verifier, steps)
+
+def train_specforge(data: Path, draft: str, target: Path, steps: int, work: Path) -> list[float]:
+    """bench/_specforge_train.py in a process of its own: TRITON_INTERPRET=1 must be set before
+    Triton compiles SpecForge's EAGLE-3 loss kernel (at import), and the CPU has no Triton backend."""
+    import os
+
+    argv = [sys.executable, str(Path(__file__).resolve().parent / "_specforge_train.py"), "--data", str(data),
+            "--draft", draft, "--model", str(target), "--steps", str(steps)]
+    logf = work / f"train-specforge-{draft}.log"
+    with open(logf, "wb") as f:
+        r = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                           env={**os.environ, "TRITON_INTERPRET": "1"})
+    text = logf.read_text(errors="replace")
+    found = re.findall(r"^LOSSES (\[.*\])$", text, re.M)
+    if r.returncode or not found:
+        raise SystemExit(f"specforge {draft} failed ({r.returncode}):\n{text[-3000:]}")
+    BATCHES[draft] = int(re.findall(r"^BATCHES (\d+)$", text, re.M)[-1])
+    return json.loads(found[-1])
+
+
+BATCHES: dict[str, int] = {}  # SpecForge pairs: the batches its steps cycle through (one sample each)
+
+
+def specforge_target(model: Path, work: Path) -> Path:
+    """The target as SpecForge's frozen target head loads it: its TargetHead.load_weights finds
+    the lm_head's file through a `*.index.json` weight map, which a one-file checkpoint such as
+    the fixture's lacks (specforge/modeling/target/target_head.py). A copy of links to the
+    model's files plus that index (every tensor in model.safetensors)."""
+    from safetensors import safe_open
+
+    out = work / f"{model.name}-indexed"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model.iterdir():
+        if not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        weight_map = {k: "model.safetensors" for k in f.keys()}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
 
 
 # speculators' MTP supports Qwen3-family verifiers only (speculators/models/mtp: "Unsupported MTP
@@ -217,7 +259,13 @@ def verifier_for(draft: str, work: Path) -> Path:
     return tiny_qwen3(work) if draft in QWEN3_DRAFTS else MODEL
 
 
-def falls(loss: list[float]) -> bool:
+def falls(loss: list[float], cycle: int | None = None) -> bool:
+    """The last quarter's mean below the first's; where the steps cycle through `cycle` batches
+    of one sample each (SpecForge's loop) and visit each twice or more, each batch's first
+    visit against its last (the first `cycle` steps against the last `cycle`), so that
+    samples of other difficulty do not decide it."""
+    if cycle and len(loss) >= 2 * cycle:
+        return sum(loss[-cycle:]) < sum(loss[:cycle])
     q = max(1, len(loss) // 4)
     return len(loss) >= 4 and sum(loss[-q:]) / q < sum(loss[:q]) / q
 
@@ -234,10 +282,10 @@ def run(pairs: list[tuple[str, str]], steps: int, samples: int, work: Path) -> l
             targets[verifier] = (states, states[0].shape[1] - 1, final_norm(verifier))
         states, n, norm = targets[verifier]
         data = work / f"corpus-{fmt}-{draft}"
-        layers = write_corpus(data, fmt, draft, rows, states, n, norm)
+        layers = write_corpus(data, fmt, draft, rows, states, n, norm, CORPUS_DTYPE.get((fmt, draft), "float32"))
         loss = train_pair(fmt, draft, data, layers, n, steps, work, verifier)
-        runs.append({"trainer": fmt, "draft": draft, "layers": layers, "loss": loss, "falls": falls(loss),
-                     "steps": len(loss), "seconds": round(time.perf_counter() - t0, 1), "verifier": verifier.name})
+        runs.append({"trainer": fmt, "draft": draft, "layers": layers, "loss": loss, "falls": falls(loss, BATCHES.get(draft) if fmt == "specforge" else None),
+                     "steps": len(loss), **({"cycle": BATCHES[draft]} if fmt == "specforge" else {}), "seconds": round(time.perf_counter() - t0, 1), "verifier": verifier.name})
         log(f"{fmt} {draft} layers {layers}: loss {loss[:1]} ... {loss[-1:]} ({runs[-1]['seconds']} s)")
     return runs
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -37,6 +36,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+# the report's half, beside this script (its directory is on sys.path when it runs)
+from draft_quality_report import compare_states, plot, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "fixtures"
@@ -163,88 +165,6 @@ def engine_child(what: str, cfg: dict, work: Path, env: dict, timeout: float, ti
     return json.loads(Path(cfg["result"]).read_text())
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def compare_states(a: Path, b: Path) -> dict[str, Any]:
-    """hsx's corpus against the reference's, file by file, as speculators' file backend reads
-    them: how many rows are bit-equal, and the largest difference (absolute, and relative to
-    the row's largest state)."""
-    import torch
-    from safetensors.torch import load_file
-
-    files = sorted(p.name for p in (a / "hidden_states").glob("hs_*.safetensors"))
-    equal, worst_abs, worst_rel, missing = 0, 0.0, 0.0, 0
-    for name in files:
-        if not (b / "hidden_states" / name).exists():
-            missing += 1
-            continue
-        x, y = load_file(str(a / "hidden_states" / name)), load_file(str(b / "hidden_states" / name))
-        if not torch.equal(x["token_ids"], y["token_ids"]):
-            raise SystemExit(f"{name}: the token ids of hsx's and the reference's rows differ")
-        hx, hy = x["hidden_states"].float(), y["hidden_states"].float()
-        equal += bool(torch.equal(hx, hy))
-        d = (hx - hy).abs().max().item()
-        worst_abs, worst_rel = max(worst_abs, d), max(worst_rel, d / max(hy.abs().max().item(), 1e-30))
-    return {"rows": len(files), "bit_equal_rows": equal, "missing_in_reference": missing,
-            "max_abs_diff": worst_abs, "max_rel_diff": worst_rel}
-
-
-
-def mean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
-def summarize(runs: dict[str, dict[int, dict]]) -> dict[str, Any]:
-    """Per run: the mean over seeds of the acceptance figures and the last loss, and the
-    seeds' spread (max - min of mean acceptance length: the noise the comparison is read against)."""
-    out = {}
-    for name, seeds in runs.items():
-        mal = [s["acceptance"].get("mean_acceptance_length") for s in seeds.values()]
-        pos = [s["acceptance"].get("acceptance_rate_per_position") or [] for s in seeds.values()]
-        final = [s["loss_curve"][-1].get("loss_0") if s["loss_curve"] else None for s in seeds.values()]
-        width = min((len(p) for p in pos), default=0)
-        out[name] = {"mean_acceptance_length": mean(mal),
-                     "seed_spread": (max(mal) - min(mal)) if len(mal) > 1 and None not in mal else None,
-                     "acceptance_rate_per_position": [mean([p[i] for p in pos]) for i in range(width)],
-                     "final_loss_0": mean(final)}
-    return out
-
-
-def plot(report: dict, path: Path) -> str | None:
-    """Loss curves (loss_0 per step) and acceptance rate per position, one colour per run."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, (name, seeds) in enumerate(report["runs"].items()):
-        colour = f"C{i}"
-        for seed, r in seeds.items():
-            ax1.plot([s.get("loss_0") for s in r["loss_curve"]], color=colour, alpha=0.8,
-                     label=f"{name} (seed {seed})")
-        summary = report["summary"][name]
-        rates = summary["acceptance_rate_per_position"]
-        if rates and summary["mean_acceptance_length"] is not None:
-            mal = summary["mean_acceptance_length"]
-            ax2.plot(range(1, len(rates) + 1), rates, marker="o", color=colour,
-                     label=f"{name}: mean acceptance length {mal:.3f}")
-    ax1.set(xlabel="step", ylabel="train loss_0", title="draft training loss")
-    ax2.set(xlabel="draft position", ylabel="acceptance rate", title="EAGLE-3 acceptance (held-out prompts)",
-            ylim=(0, 1))
-    for ax in (ax1, ax2):
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.suptitle(report["label"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return None
-
-
 # ----------------------------------------------------------------------------- the driver
 
 
@@ -311,8 +231,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from hsx_tools.bench.common import child_env, ensure_packages, hardware, versions_light
-    from hsx_tools.server_process import ServerProcess
+    from hsx_tools.bench.common import child_env, ensure_packages
 
     work = a.workdir.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -329,7 +248,28 @@ def main(argv: list[str]) -> int:
     corpus = {"offline": work / "corpus-offline", "online": work / "corpus-tokens",
               "reference": work / "corpus-reference", "regenerated": work / "corpus-regenerated"}
     timings = Timings(work / "timings.json")
-    report: dict[str, Any] = {
+    report = report_head(a, prompts)
+    trained: dict[str, dict[int, dict]] = {}
+    hsx_corpora_and_online_run(a, work, env, chats, corpus, engine_flags, timings, trained)
+    if "reference" in a.runs and not (corpus["reference"] / "hidden_states").is_dir():
+        reference_corpus(a, work, env, corpus, engine_flags, timings)
+    if "offline" in a.runs and "reference" in a.runs:
+        report["states_offline_vs_reference"] = compare_states(corpus["offline"], corpus["reference"])
+    for name in a.runs:
+        if name != "online":
+            train_runs(a, name, [], work, corpus, env, timings, trained)
+    if a.no_acceptance:
+        trained = {n: {s: {**r, "acceptance": {}} for s, r in seeds.items()} for n, seeds in trained.items()}
+    else:
+        measure_acceptance(a, work, env, prompts, engine_flags, timings, trained)
+    return finish(a, report, trained, timings, t_start)
+
+
+def report_head(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    """What the report says of the run before any figure: the inputs, flags and machine."""
+    from hsx_tools.bench.common import hardware, versions_light
+
+    return {
         "label": a.label or "hsx draft quality", "model": str(a.model), "chats": str(a.chats),
         "regenerated": str(a.regenerated) if a.regenerated else (
             f"hsx regenerate here: greedy, --max-tokens {a.regen_max_tokens}" if a.regenerate else None),
@@ -341,6 +281,38 @@ def main(argv: list[str]) -> int:
         "versions": {**versions_light(), **{d: _version(d) for d in ("speculators", "hs-connectors", "transformers")}},
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": {},
     }
+
+
+def train_runs(a: argparse.Namespace, name: str, backend: list[str], work: Path, corpus: dict[str, Path],
+               env: dict, timings: dict, trained: dict[str, dict[int, dict]]) -> None:
+    """The draft trained on run `name`'s data once per seed (a rerun skips what is done)."""
+    for seed in a.seeds:
+        done = work / f"train-{name}-s{seed}.json"  # a rerun (the next device call) skips what is done
+        if not done.exists():
+            log(f"training {name} (seed {seed}, {a.steps} steps) ...")
+            save = work / f"ckpt-{name}-s{seed}"
+            shutil.rmtree(save, ignore_errors=True)
+            t = time.monotonic()
+            device = ["--device", "cpu"] if a.device == "cpu" else []
+            text = run_logged([sys.executable, "-m", "hsx_client.training.speculators_train", *device,
+                               *train_argv(a, corpus[name], save, seed, backend)],
+                              work / f"train-{name}-s{seed}.log", env)
+            curve = loss_curve(text)
+            if (save / "interrupted").exists() or len(curve) < a.steps:  # a SIGTERM'd trainer exits 0
+                raise SystemExit(f"training {name} seed {seed} stopped after {len(curve)} of {a.steps} steps "
+                                 f"(interrupted?): see {work / f'train-{name}-s{seed}.log'}")
+            timings[f"train_{name}_s{seed}_s"] = time.monotonic() - t
+            done.write_text(json.dumps({"steps_done": len(curve), "loss_curve": curve,
+                                        "train_s": time.monotonic() - t, "draft": str(last_checkpoint(save))}))
+        trained.setdefault(name, {})[seed] = json.loads(done.read_text())
+
+
+def hsx_corpora_and_online_run(a: argparse.Namespace, work: Path, env: dict, chats: Path, corpus: dict[str, Path],
+                               engine_flags: list[str], timings: dict, trained: dict[str, dict[int, dict]]) -> None:
+    """What needs `hsx serve`: the corpora hsx extracts (and regenerates), and the online
+    run's training, which fetches its states while it trains."""
+    from hsx_tools.server_process import ServerProcess
+
     wanted = [(n, chats, x) for n, x in (("offline", []), ("online", ["--states", "none"]))
               if n in a.runs or (n == "online" and "reference" in a.runs)]
     regen = work / "train-regenerated.jsonl"
@@ -357,29 +329,6 @@ def main(argv: list[str]) -> int:
         server = ServerProcess(str(a.model), "--layers", a.layers, "--chat-template", str(a.template), *engine_flags,
                                *a.server_arg, log_path=work / "serve.log", env=env)
     url = a.server or (server.url if server else None)
-    trained: dict[str, dict[int, dict]] = {}
-
-    def train(name: str, backend: list[str]) -> None:
-        for seed in a.seeds:
-            done = work / f"train-{name}-s{seed}.json"  # a rerun (the next device call) skips what is done
-            if not done.exists():
-                log(f"training {name} (seed {seed}, {a.steps} steps) ...")
-                save = work / f"ckpt-{name}-s{seed}"
-                shutil.rmtree(save, ignore_errors=True)
-                t = time.monotonic()
-                device = ["--device", "cpu"] if a.device == "cpu" else []
-                text = run_logged([sys.executable, "-m", "hsx_client.training.speculators_train", *device,
-                                   *train_argv(a, corpus[name], save, seed, backend)],
-                                  work / f"train-{name}-s{seed}.log", env)
-                curve = loss_curve(text)
-                if (save / "interrupted").exists() or len(curve) < a.steps:  # a SIGTERM'd trainer exits 0
-                    raise SystemExit(f"training {name} seed {seed} stopped after {len(curve)} of {a.steps} steps "
-                                     f"(interrupted?): see {work / f'train-{name}-s{seed}.log'}")
-                timings[f"train_{name}_s{seed}_s"] = time.monotonic() - t
-                done.write_text(json.dumps({"steps_done": len(curve), "loss_curve": curve,
-                                            "train_s": time.monotonic() - t, "draft": str(last_checkpoint(save))}))
-            trained.setdefault(name, {})[seed] = json.loads(done.read_text())
-
     try:
         if server:
             t = time.monotonic()
@@ -404,27 +353,29 @@ def main(argv: list[str]) -> int:
                        work / f"extract-{name}.log", env)
             timings[f"extract_{name}_s"] = time.monotonic() - t
         if "online" in a.runs:
-            train("online", ["--hidden-states-backend", "hsx", "--hsx-servers", url])
+            train_runs(a, "online", ["--hidden-states-backend", "hsx", "--hsx-servers", url], work, corpus, env,
+                       timings, trained)
     finally:
         if server:
             server.stop()
-    if "reference" in a.runs and not (corpus["reference"] / "hidden_states").is_dir():
-        log("the reference corpus: vLLM's extract_hidden_states + file connector ...")
-        tmp = corpus["reference"].with_name("corpus-reference.partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(corpus["online"], tmp, ignore=shutil.ignore_patterns("hsx_*.json"))
-        engine_child("reference", {"tag": "corpus", "model": str(a.model), "engine_flags": engine_flags,
-                                   "layers": [int(x) for x in a.layers.split(",")], "table": str(tmp),
-                                   "out": str(tmp)}, work, env, 3600, timings)
-        tmp.rename(corpus["reference"])
-    if "offline" in a.runs and "reference" in a.runs:
-        report["states_offline_vs_reference"] = compare_states(corpus["offline"], corpus["reference"])
-    for name in a.runs:
-        if name != "online":
-            train(name, [])
-    if a.no_acceptance:
-        trained = {n: {s: {**r, "acceptance": {}} for s, r in seeds.items()} for n, seeds in trained.items()}
-        return finish(a, report, trained, timings, t_start)
+
+
+def reference_corpus(a: argparse.Namespace, work: Path, env: dict, corpus: dict[str, Path],
+                     engine_flags: list[str], timings: dict) -> None:
+    """The reference's corpus: hsx's token table with vLLM's own states (extract_hidden_states)."""
+    log("the reference corpus: vLLM's extract_hidden_states + file connector ...")
+    tmp = corpus["reference"].with_name("corpus-reference.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(corpus["online"], tmp, ignore=shutil.ignore_patterns("hsx_*.json"))
+    engine_child("reference", {"tag": "corpus", "model": str(a.model), "engine_flags": engine_flags,
+                               "layers": [int(x) for x in a.layers.split(",")], "table": str(tmp),
+                               "out": str(tmp)}, work, env, 3600, timings)
+    tmp.rename(corpus["reference"])
+
+
+def measure_acceptance(a: argparse.Namespace, work: Path, env: dict, prompts: list[list[int]],
+                       engine_flags: list[str], timings: dict, trained: dict[str, dict[int, dict]]) -> None:
+    """Each draft served with the target (EAGLE-3, greedy) on the held-out prompts."""
     log(f"acceptance: {len(prompts)} held-out prompts x {a.max_tokens} tokens, "
         f"{a.num_speculative_tokens} speculative tokens ...")
     base = {"model": str(a.model), "engine_flags": engine_flags, "prompts": prompts, "max_tokens": a.max_tokens,
@@ -438,7 +389,6 @@ def main(argv: list[str]) -> int:
             got["same_tokens_as_without_draft"] = got.pop("outputs") == plain
             r["acceptance"] = got
             log(f"{name} seed {seed}: mean acceptance length {got['mean_acceptance_length']}")
-    return finish(a, report, trained, timings, t_start)
 
 
 def finish(a: argparse.Namespace, report: dict, trained: dict[str, dict[int, dict]], timings: dict,

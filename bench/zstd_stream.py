@@ -1,6 +1,6 @@
-"""A zstd-coded /hidden_states body, decoded while it arrives (HsxClient since 2026-12-02,
-client/zstd_stream.py) against received whole and then decoded in one step (before), in
-one process, against one server process.
+"""A zstd-coded /hidden_states body, decoded while it arrives (HsxClient since 2026-12-02;
+client/zstd_stream.py, the client's one incremental decoder) against received whole and then
+decoded in one step (before), in one process, against one server process.
 
 The server is uvicorn with hsx serve's own body coder (hsx_service.body.encode.encode_body: one
 zstd frame compressed in 4 MiB steps on its compression pool, sent as each step ends), so
@@ -43,7 +43,8 @@ def _serve(port: int, mb: int, threads: int, frame_threads: int) -> None:
     from hsx.wire import TensorSpec
     from hsx_service.body.encode import encode_body
     from hsx_service.body.compress import CompressPool
-    from hsx_service.body.response import Stats, choose_coding
+    from hsx_service.body.negotiate import choose_coding
+    from hsx_service.body.response import Stats
 
     tokens, states = _states(mb)
     specs = [TensorSpec("hidden_states", "BF16", (tokens, LAYERS, HIDDEN))]

@@ -32,6 +32,7 @@ _HOMES = {
     "ServerBusyError": "errors",
     "ServerError": "errors",
     "ConnectionFailedError": "errors",
+    "ResponseValidationError": "errors",
     "RequestTimeoutError": "errors",
     "ServersUnreachableError": "errors",
     "LeaseExpiredError": "errors",
@@ -45,8 +46,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time each loads on 
 
     from hsx_client.api import HsxClient
     from hsx_client.errors import (AuthenticationError, BadRequestError, ConnectionFailedError, HsxError,
-                                   LeaseExpiredError, PayloadTooLargeError, RequestTimeoutError, RetriesExhaustedError,
-                                   ServerBusyError, ServerError, ServersUnreachableError)
+                                   LeaseExpiredError, PayloadTooLargeError, RequestTimeoutError, ResponseValidationError,
+                                   RetriesExhaustedError, ServerBusyError, ServerError, ServersUnreachableError)
     from hsx_client.responses import Lease
     from hsx_client.sample_stream import SampleHead, SampleStream, StatesChunk, StatesLayout, states_layout
     from hsx_client.servers import ServerSet

@@ -10,7 +10,7 @@ flight; ties go to the one picked least recently), and at most `concurrency_per_
 requests are in flight per server; callers beyond that wait their turn.
 
 Retries (a plain loop, see `hsx_client.servers.ServerSet.with_retries`): 429/503 (with `Retry-After`), timeouts,
-connection errors, other 5xx and malformed bodies are retried up to `max_attempts`
+connection errors, other 5xx and malformed bodies (`ResponseValidationError`) are retried up to `max_attempts`
 attempts in all, 5xx at most `max_server_errors` times (an input that crashes the engine
 should not be replayed on every server). The delay is full-jitter exponential backoff,
 `uniform(0, min(backoff_max, backoff_base * 2**(n-1)))`, raised to `Retry-After` when the
@@ -35,30 +35,29 @@ No global state and no threads of its own: decompression and body checks run thr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import importlib
 import json
-import time
 import uuid
 from typing import Any
 
 import httpx
 
 from hsx import __version__ as hsx_version
-from hsx import bf16split, wire
+from hsx import wire
 from hsx_client import shm
-from hsx_client.responses import Lease, RawResponse, accept_header, copy_out, finish_body, is_local
+from hsx_client.responses import Lease, RawResponse, copy_out, is_local
+from hsx_client.sample_stream import DEFAULT_CHUNK_BYTES, SampleStream
 from hsx_client.servers import ServerSet, ServerState
 from hsx_client.settings import COMPRESSIONS, DEFAULTS, TRANSFERS, ClientSettings
-from hsx_client.zstd_stream import ZstdBodyDecoder
+from hsx_client.states_request import open_states
 
 from .errors import (
     ConnectionFailedError,
     HsxError,
     LeaseExpiredError,
     RequestTimeoutError,
-    ServerError,
+    ResponseValidationError,
     error_from_response,
 )
 
@@ -136,6 +135,7 @@ class HsxClient:
         return "identity" if self.compression == "none" else self.compression
 
     def _encoding_for(self, url: str) -> str:
+        """The Accept-Encoding asked of `url` (bf16split is a media type, zstd inside it)."""
         return "identity" if self._compression_for(url) == "identity" else "zstd"
 
     # ------------------------------------------------------------------ lifecycle
@@ -227,14 +227,12 @@ class HsxClient:
         That skips the HTTP body (about 4x the throughput of one client process on an
         H200, bench/README.md), at the price of the release call."""
         payload = _json_body(body)
-        rid0 = request_id or uuid.uuid4().hex
 
         async def attempt(server: ServerState, rid: str) -> RawResponse:
-            arena = await self._arena_for(server, rid) if lease_ok and self.transfer == "auto" else None
-            raw = await self._post_hidden_states(server, payload, rid, arena)
-            return await raw.collect() if hasattr(raw, "collect") else raw  # a chunked lease, whole
+            stream = await self._open_states(server, payload, rid, lease_ok, whole=True, chunk_bytes=DEFAULT_CHUNK_BYTES)
+            return await stream.collect()  # within the attempt: a body that breaks off is retried
 
-        return await self._pool.with_retries(attempt, rid0)
+        return await self._pool.with_retries(attempt, request_id or uuid.uuid4().hex)
 
     async def tokenize(self, body: dict[str, Any], *, request_id: str | None = None) -> dict[str, Any]:
         """`POST /tokenize` with retries: the `token_ids` (and `loss_mask`) the server would
@@ -267,8 +265,7 @@ class HsxClient:
                 out = resp.json()
                 check(out)
             except (ValueError, KeyError, IndexError, TypeError) as exc:
-                raise ServerError(f"{path} {missing}", type="bad_response", server=server.url,
-                                  request_id=rid) from exc
+                raise ResponseValidationError(f"{path} {missing}", server=server.url, request_id=rid) from exc
             return out
 
         return await self._pool.with_retries(attempt, request_id)
@@ -333,76 +330,25 @@ class HsxClient:
         return await asyncio.to_thread(raw.decode)
 
     async def hidden_states_stream(self, body: dict[str, Any], *, request_id: str | None = None,
-                                   lease_ok: bool = False, chunk_bytes: int | None = None) -> Any:
+                                   lease_ok: bool = False, chunk_bytes: int | None = None) -> SampleStream:
         """`POST /hidden_states` as a `hsx_client.sample_stream.SampleStream`: the states in
         token chunks as they arrive, never the whole sample in memory (issue 29). Retries
         cover the request up to its answer's headers; an error later in the body raises
         from the stream (the caller asks again). From a same-host server (`lease_ok`) the
         states come as a lease: one zero-copy chunk (or the server's chunked lease form).
         Close the stream (`aclose`) however it ends."""
-        from hsx_client.sample_stream import DEFAULT_CHUNK_BYTES, WholeSampleStream
-
         payload = _json_body(body)
         chunk = chunk_bytes or DEFAULT_CHUNK_BYTES
 
-        async def attempt(server: ServerState, rid: str) -> Any:
-            arena = await self._arena_for(server, rid) if lease_ok and self.transfer == "auto" else None
-            if arena is not None:  # lease bodies are small: today's path, whole
-                raw = await self._post_hidden_states(server, payload, rid, arena)
-                return raw if hasattr(raw, "chunks") else WholeSampleStream(raw, self)
-            return await self._open_states_stream(server, payload, rid, chunk)
+        async def attempt(server: ServerState, rid: str) -> SampleStream:
+            return await self._open_states(server, payload, rid, lease_ok, whole=False, chunk_bytes=chunk)
 
         return await self._pool.with_retries(attempt, request_id or uuid.uuid4().hex)
 
-    async def _open_states_stream(self, server: ServerState, payload: bytes, rid: str, chunk_bytes: int) -> Any:
-        """The request sent and its answer's headers read; the body left to the stream."""
-        from hsx_client.sample_stream import HttpSampleStream
-
-        http = self._ensure_open()
-        compression = self._compression_for(server.url)
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": wire.MEDIA_TYPE,  # not bf16split: its split planes are not token-major
-            "Accept-Encoding": "identity" if compression == "identity" else "zstd",
-            "X-Request-Id": rid,
-        }
-        ctx = http.stream("POST", server.url + "/hidden_states", content=payload, headers=headers)
-        t_sent = time.perf_counter()
-        try:
-            resp = await ctx.__aenter__()
-        except httpx.HTTPError as exc:
-            raise self._wrap_transport_error(exc, server, rid) from exc
-        server.response_s += time.perf_counter() - t_sent  # as a whole body's: request sent -> headers in
-        try:
-            server.answered = True
-            resp_rid = resp.headers.get("x-request-id") or rid
-            if resp.status_code != 200:
-                content = await resp.aread()
-                raise error_from_response(resp.status_code, content, resp.headers, server=server.url,
-                                          request_id=resp_rid)
-            encoding = resp.headers.get("content-encoding", "identity").strip().lower() or "identity"
-            if encoding not in ("identity", "zstd"):
-                raise ServerError(f"unexpected Content-Encoding {encoding!r}", type="bad_response",
-                                  request_id=resp_rid, server=server.url)
-        except BaseException as exc:
-            await ctx.__aexit__(None, None, None)
-            if isinstance(exc, httpx.HTTPError):
-                raise self._wrap_transport_error(exc, server, rid) from exc
-            raise
-
-        def wrap(exc: Exception) -> HsxError:
-            if isinstance(exc, httpx.HTTPError):
-                return self._wrap_transport_error(exc, server, rid)
-            return ServerError(f"malformed response body: {exc}", type="bad_response", request_id=resp_rid,
-                               server=server.url)
-
-        def account(wire_bytes: int, body_bytes: int, seconds: float) -> None:
-            server.wire_bytes += wire_bytes
-            server.body_bytes += body_bytes
-            server.receive_s += seconds
-
-        return HttpSampleStream(resp, lambda: ctx.__aexit__(None, None, None), encoding=encoding, wrap=wrap,
-                                chunk_bytes=chunk_bytes, request_id=resp_rid, server=server.url, account=account)
+    async def _open_states(self, server: ServerState, payload: bytes, rid: str, lease_ok: bool, *,
+                           whole: bool, chunk_bytes: int) -> SampleStream:
+        arena = await self._arena_for(server, rid) if lease_ok and self.transfer == "auto" else None
+        return await open_states(self, server, payload, rid, arena=arena, whole=whole, chunk_bytes=chunk_bytes)
 
     # ------------------------------------------------------------------ HTTP
     def _wrap_transport_error(self, exc: Exception, server: ServerState, rid: str) -> HsxError:
@@ -439,103 +385,6 @@ class HsxClient:
                     pass
         return server.arena
 
-    async def _post_hidden_states(
-        self, server: ServerState, payload: bytes, rid: str, arena: shm.ArenaMap | None = None
-    ) -> Any:
-        """A RawResponse, or, for a sample the server sends in the chunked lease form, an open
-        `hsx_client.lease_stream.LeaseStream` (a SampleStream; the caller closes it)."""
-        http = self._ensure_open()
-        headers = {
-            "Content-Type": "application/json",
-            "Accept": accept_header(arena is not None, self._compression_for(server.url) == "bf16split"),
-            "Accept-Encoding": self._encoding_for(server.url),
-            "X-Request-Id": rid,
-        }
-        if arena is not None and arena.session:
-            headers[shm.SESSION_HEADER] = arena.session
-        t_sent = time.perf_counter()
-        decoder: ZstdBodyDecoder | None = None
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                resp = await stack.enter_async_context(
-                    http.stream("POST", server.url + "/hidden_states", content=payload, headers=headers))
-                server.answered = True
-                resp_rid = resp.headers.get("x-request-id") or rid
-                if resp.status_code != 200:
-                    content = await resp.aread()
-                    raise error_from_response(
-                        resp.status_code, content, resp.headers, server=server.url, request_id=resp_rid
-                    )
-                t_headers = time.perf_counter()
-                compression = resp.headers.get("content-encoding", "identity").strip().lower()
-                ctype = resp.headers.get("content-type", "").split(";")[0].strip().lower()
-                if ctype == bf16split.MEDIA_TYPE:  # a zstd stream of its own: not a content coding
-                    compression = "bf16split"
-                if ctype == wire.LEASE_STREAM_MEDIA_TYPE and arena is not None:  # the response stays open
-                    from hsx_client.lease_stream import LeaseStream
-
-                    return LeaseStream(self, server.url, resp, stack.pop_all().aclose, arena, resp_rid)
-                if resp.is_stream_consumed:  # a transport that hands back read responses (MockTransport)
-                    raw = resp.content
-                    wire_bytes = resp.num_bytes_downloaded or len(raw)
-                    compression = "bf16split" if compression == "bf16split" else "identity"
-                elif compression == "zstd":
-                    decoder = ZstdBodyDecoder()  # decodes as the chunks arrive (client/zstd_stream.py)
-                    async for c in resp.aiter_raw():
-                        decoder.feed(c)
-                    decoder.finish()
-                    raw, wire_bytes = b"", decoder.received  # raw: the decoder's result, below
-                elif compression in ("identity", "", "bf16split"):
-                    chunks = [c async for c in resp.aiter_raw()]
-                    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                    wire_bytes = len(raw)
-                else:  # gzip etc.: let httpx decode
-                    raw = await resp.aread()
-                    wire_bytes = resp.num_bytes_downloaded
-                    compression = "identity"
-        except BaseException as exc:  # however the receive ended, the decoder's thread ends too
-            if decoder is not None:
-                decoder.abort()
-            if isinstance(exc, httpx.HTTPError):
-                raise self._wrap_transport_error(exc, server, rid) from exc
-            raise
-        t_body = time.perf_counter()
-        server.response_s += t_headers - t_sent
-        server.receive_s += t_body - t_headers
-        lease = None
-        try:
-            if decoder is not None:  # decoded while it arrived: what is left is its last chunk
-                raw = await decoder.body()
-                server.decode_s += time.perf_counter() - t_body
-            if ctype == wire.LEASE_MEDIA_TYPE:
-                if arena is None:
-                    raise wire.WireFormatError("a lease came back though none was asked for")
-                wire.check_body(raw)
-                body, desc = raw, wire.lease_of(raw)
-                lease = Lease(desc["id"], server.url, memoryview(b""))
-                if desc["arena_id"] != arena.arena_id:  # restarted since we attached
-                    server.arena, server.arena_note = None, None
-                    arena.close()
-                    raise wire.WireFormatError("the lease names another arena (server restarted?)")
-                lease.states = arena.view(int(desc["offset"]), int(desc["nbytes"]))
-            elif decoder is not None:
-                body = finish_body(raw, "identity")  # decoded already: the layout check alone
-            else:
-                body = await asyncio.to_thread(finish_body, raw, compression)
-                server.decode_s += time.perf_counter() - t_body
-        except Exception as exc:  # zstd error or malformed safetensors
-            if lease is not None:  # give the range back now rather than at its expiry
-                try:
-                    await self.release_lease(lease)
-                except HsxError:
-                    pass
-            raise ServerError(
-                f"malformed response body: {exc}", type="bad_response", request_id=resp_rid, server=server.url
-            ) from exc
-        server.wire_bytes += wire_bytes
-        server.body_bytes += len(body) + (len(lease.states) if lease else 0)
-        return RawResponse(body=body, request_id=resp_rid, server=server.url, wire_bytes=wire_bytes, lease=lease)
-
     async def _get(self, server: ServerState, path: str, rid: str) -> httpx.Response:
         http = self._ensure_open()
         try:
@@ -555,7 +404,7 @@ class HsxClient:
         try:
             return resp.json()
         except ValueError as exc:
-            raise ServerError(f"{path} did not return JSON", type="bad_response", server=server.url, request_id=rid) from exc
+            raise ResponseValidationError(f"{path} did not return JSON", server=server.url, request_id=rid) from exc
 
     async def _get_bytes(self, server: ServerState, path: str, rid: str) -> bytes:
         return (await self._get(server, path, rid)).content

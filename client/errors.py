@@ -10,7 +10,9 @@ the request id (echoed by the server or the one the client sent) and the server 
     +-- PayloadTooLargeError    413         body or token count over the server's limit
     +-- ServerBusyError         429 / 503   full or draining: retry after `retry_after`
     +-- ServerError             5xx         engine failure: retry elsewhere, bounded
-    +-- ConnectionFailedError   no response (refused, reset, DNS, bad body)
+    +-- ResponseValidationError 200 with a body that is not one sample (truncated, malformed):
+    |                           retried; neither a server error (no 5xx budget, no breaker) nor a lost connection
+    +-- ConnectionFailedError   no response (refused, reset, DNS)
     |   +-- RequestTimeoutError the server did not answer within the timeout
     |   +-- ServersUnreachableError  no server ever answered (wrong URL/port): raised at once
     +-- RetriesExhaustedError   gave up; `.last_error` is the final attempt's error
@@ -88,8 +90,22 @@ class ServerError(HsxError):
     retryable = True
 
 
+class ResponseValidationError(HsxError, ValueError):
+    """The server answered 200 but its body is not what the protocol says (truncated,
+    malformed, an unknown coding). Retried like a lost answer (the next may be whole); it
+    sets the server aside for its cooldown, but counts neither toward `max_server_errors`
+    (no engine failed) nor as a connection failure (the server did answer). A ValueError
+    too: a malformed value, as hsx.wire's WireFormatError it stands for."""
+
+    retryable = True
+
+    def __init__(self, message: str, **kw: Any) -> None:
+        kw.setdefault("type", "bad_response")
+        super().__init__(message, **kw)
+
+
 class ConnectionFailedError(HsxError):
-    """No usable response: connection refused or reset, or a malformed body."""
+    """No response: connection refused or reset, DNS."""
 
     retryable = True
 

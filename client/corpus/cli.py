@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import textwrap
+from typing import Any
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -169,14 +170,15 @@ def _env_settings() -> ClientSettings:
         raise SystemExit(ExitCode.REFUSED) from None
 
 
-def extract_main(argv: list[str] | None = None) -> int:
+def extract_config(argv: list[str] | None = None) -> Any:
+    """`hsx extract ARGV` as (ExtractConfig, the parsed arguments), or the exit code refusing it."""
     env = _env_settings()
     args = build_extract_parser(env).parse_args(argv)
     servers = args.servers or env.server
     if not servers:
         print("hsx extract: give at least one --server URL (or HSX_SERVER)", file=sys.stderr)
         return ExitCode.REFUSED
-    from hsx_client.corpus.extract import ExtractConfig, format_summary, run_extract
+    from hsx_client.corpus.extract import ExtractConfig
     from hsx_client.corpus.shard import ShardError, resolve
 
     try:
@@ -212,6 +214,15 @@ def extract_main(argv: list[str] | None = None) -> int:
         handle_signals=True,
         shard=shard,
     )
+    return cfg, args
+
+
+def extract_main(argv: list[str] | None = None) -> int:
+    parsed = extract_config(argv)
+    if not isinstance(parsed, tuple):
+        return parsed
+    cfg, args = parsed
+    from hsx_client.corpus.extract import format_summary, run_extract
     from hsx_client.malloc_tuning import keep_large_blocks
 
     keep_large_blocks()  # this process receives the bodies unless --workers does (hsx_client.malloc_tuning)

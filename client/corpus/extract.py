@@ -52,7 +52,8 @@ from hsx_client.corpus.preflight import check_chat_template, preflight, token_ra
 from hsx_client.corpus.progress import Progress, format_summary, reason_counts
 from hsx_client.corpus.provenance import finalize
 from hsx_client.corpus.settings import PLAN_KEYS, CorpusSettings
-from hsx_client.corpus.run import RunHooks, RunLoop, RunState
+from hsx_client.corpus.run import RunLoop
+from hsx_client.corpus.run_state import RunHooks, RunState
 from hsx_client.settings import ClientSettings
 from hsx_client.corpus.template_tools import tools_not_rendered
 from hsx_client.corpus.verify import verify_corpus, verify_samples
@@ -183,31 +184,8 @@ class Extractor:
         cfg, out, hooks = self.cfg, self.out, self.hooks
         removed = store.clean_temp_files(out)
         plan = planning.load_plan(out)
-        self._merged = merged.is_merged(plan)
-        if self._merged:
-            merged.check_repairable(out, cfg.retry_failed)
-        if plan is None:
-            if cfg.resume:
-                raise ConfigError(f"--resume: {out} holds no plan.json (nothing to resume)")
-            others = [p.name for p in out.iterdir() if p.name != store.LOCK_NAME]
-            if others:
-                raise ConfigError(
-                    f"{out} is not empty and holds no hsx plan ({', '.join(sorted(others)[:5])}...); "
-                    "pick an empty or new --output"
-                )
-        settings = CorpusSettings.resolve({k: getattr(cfg, k) for k in PLAN_KEYS}, plan, out)
-        if settings.format is None:
-            raise ConfigError("--format is required (speculators or specforge)")
-        from hsx_client.corpus.formats import format_options
-
-        try:
-            fmt = hooks.get_format(settings.format, **format_options(settings))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-        inputs = cfg.inputs if cfg.inputs else (plan["inputs"] if plan else None)
-        if not inputs:
-            raise ConfigError("--input is required")
-        inputs = [planning.normalize_input(p) for p in inputs]
+        self._check_output(plan)
+        settings, fmt, inputs = self._settings_format_inputs(plan)
 
         async with self._client() as client:
             info = await client.info()
@@ -255,39 +233,81 @@ class Extractor:
                 self._notes.append(f"warning: {self._tools_not_rendered} sample(s) carry tool definitions that the "
                                    "server's chat template does not render (they are stored without them)")
 
-            with journal.JsonlLog(out / store.MANIFEST_NAME) as manifest, \
-                    journal.JsonlLog(out / store.FAILED_NAME) as failed_log:
-                done, failed, redo = self._what_is_done(fmt, keys, manifest)
-                todo = planning.pending(len(keys), done, failed)
-                if not new_run and todo:
-                    self._token_ratio = await token_ratio(client, [keys[i] for i in todo], samples, settings)
-                    disk = self._check_disk(todo, keys, samples, settings, info, fmt, ctx)
-                progress = Progress(len(todo), quiet=cfg.quiet, server_stats=client.stats)
-                for note in self._notes:
-                    progress.write(note)
-                if removed:
-                    progress.write(f"removed {removed} temporary file(s) left by an earlier run")
-                if redo:
-                    progress.write(f"{redo} stored sample(s) were missing or broken; redoing them")
-                if disk is not None and not disk.ok:
-                    progress.write(
-                        f"warning: need ~{fmt_bytes(disk.needed)}, {fmt_bytes(disk.free)} free (--force-disk)"
-                    )
-                state = RunState(
-                    client=client, fmt=fmt, ctx=ctx, out=out, settings=settings,
-                    served_layers=[int(x) for x in info["layer_ids"]], keys=keys, by_key=samples.by_key,
-                    manifest=manifest, failed_log=failed_log, done=done, failed=failed, progress=progress,
-                    max_buffer_bytes=cfg.max_buffer_bytes,
-                )
-                self.loop = self._loop(state, client)
-                if self._stop_reason is not None:
-                    self.loop.request_stop(self._stop_reason)
-                try:
-                    await self.loop.run(todo)
-                finally:
-                    progress.close()
-                run_summary = progress.summary()
+            state, run_summary = await self._run_plan(client, fmt, ctx, settings, samples, info, keys,
+                                                      new_run=new_run, disk=disk, removed=removed)
         return self._result(state, plan, info, final_norm, settings, run_summary)
+
+    def _check_output(self, plan: dict[str, Any] | None) -> None:
+        """DIR holds this run's plan, or nothing yet (a merged corpus: only repairs)."""
+        cfg, out = self.cfg, self.out
+        self._merged = merged.is_merged(plan)
+        if self._merged:
+            merged.check_repairable(out, cfg.retry_failed)
+        if plan is None:
+            if cfg.resume:
+                raise ConfigError(f"--resume: {out} holds no plan.json (nothing to resume)")
+            others = [p.name for p in out.iterdir() if p.name != store.LOCK_NAME]
+            if others:
+                raise ConfigError(
+                    f"{out} is not empty and holds no hsx plan ({', '.join(sorted(others)[:5])}...); "
+                    "pick an empty or new --output"
+                )
+
+    def _settings_format_inputs(self, plan: dict[str, Any] | None) -> tuple[CorpusSettings, Any, list[str]]:
+        """The run's settings (the command's over the plan's), its format and its inputs."""
+        cfg = self.cfg
+        settings = CorpusSettings.resolve({k: getattr(cfg, k) for k in PLAN_KEYS}, plan, self.out)
+        if settings.format is None:
+            raise ConfigError("--format is required (speculators or specforge)")
+        from hsx_client.corpus.formats import format_options
+
+        try:
+            fmt = self.hooks.get_format(settings.format, **format_options(settings))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        inputs = cfg.inputs if cfg.inputs else (plan["inputs"] if plan else None)
+        if not inputs:
+            raise ConfigError("--input is required")
+        return settings, fmt, [planning.normalize_input(p) for p in inputs]
+
+    async def _run_plan(self, client: HsxClient, fmt: Any, ctx: Any, settings: CorpusSettings, samples: Any,
+                        info: dict[str, Any], keys: list[str], *, new_run: bool, disk: Any,
+                        removed: int) -> tuple[RunState, dict[str, Any]]:
+        """The samples not yet done fetched and stored, the manifest and failed log open."""
+        cfg, out = self.cfg, self.out
+        with journal.JsonlLog(out / store.MANIFEST_NAME) as manifest, \
+                journal.JsonlLog(out / store.FAILED_NAME) as failed_log:
+            done, failed, redo = self._what_is_done(fmt, keys, manifest)
+            todo = planning.pending(len(keys), done, failed)
+            if not new_run and todo:
+                self._token_ratio = await token_ratio(client, [keys[i] for i in todo], samples, settings)
+                disk = self._check_disk(todo, keys, samples, settings, info, fmt, ctx)
+            progress = Progress(len(todo), quiet=cfg.quiet, server_stats=client.stats)
+            for note in self._notes:
+                progress.write(note)
+            if removed:
+                progress.write(f"removed {removed} temporary file(s) left by an earlier run")
+            if redo:
+                progress.write(f"{redo} stored sample(s) were missing or broken; redoing them")
+            if disk is not None and not disk.ok:
+                progress.write(
+                    f"warning: need ~{fmt_bytes(disk.needed)}, {fmt_bytes(disk.free)} free (--force-disk)"
+                )
+            state = RunState(
+                client=client, fmt=fmt, ctx=ctx, out=out, settings=settings,
+                served_layers=[int(x) for x in info["layer_ids"]], keys=keys, by_key=samples.by_key,
+                manifest=manifest, failed_log=failed_log, done=done, failed=failed, progress=progress,
+                max_buffer_bytes=cfg.max_buffer_bytes,
+            )
+            self.loop = self._loop(state, client)
+            if self._stop_reason is not None:
+                self.loop.request_stop(self._stop_reason)
+            try:
+                await self.loop.run(todo)
+            finally:
+                progress.close()
+            run_summary = progress.summary()
+        return state, run_summary
 
     def _loop(self, state: RunState, client: HsxClient) -> RunLoop | WorkerPool:
         cfg = self.cfg
@@ -327,7 +347,7 @@ class Extractor:
         return done, failed, redo
 
     def _check_disk(self, todo: list[int], keys: list[str], samples: planning.Samples, settings: CorpusSettings,
-                    info: dict[str, Any], fmt: Any, ctx: Any) -> store.DiskEstimate | None:
+                    info: dict[str, Any], fmt: Any, ctx: Any) -> disk_estimate.DiskEstimate | None:
         if not todo:
             return None
         corpus = self.out / store.CORPUS_NAME
@@ -340,7 +360,7 @@ class Extractor:
         need = disk_estimate.disk_needed((samples.by_key[keys[i]].request for i in todo), fmt.bytes_per_token(ctx),
                                     settings.max_length, info.get("max_model_len"),
                                     counts.ratio if counts else 1.0, counts.kept if counts else 1.0)
-        est = store.check_disk_space(self.out, need, force=self.cfg.force_disk)
+        est = disk_estimate.check_disk_space(self.out, need, force=self.cfg.force_disk)
         self._disk_estimate = need
         return est
 

@@ -27,7 +27,11 @@ Row kinds, detected per row (first match wins):
     whose question was not given;
   * plain `{"prompt": str}` or `{"text": str}` -> request `prompt`;
   * `hsx regenerate`'s output (OpenAI rows with `hsx_turns`): the recorded token ids, never
-    re-tokenized (hsx_client.corpus.recorded).
+    re-tokenized (hsx_client.corpus.recorded); one with images is read from its messages
+    (ids cannot carry the images), so its template renders the replies again.
+
+Images (chat rows): OpenAI `image_url` parts, LLaVA / ShareGPT-4V `image` + `<image>`, a
+dataset's image column; paths relative to the input file; see hsx_client.corpus.images.
 
 mask_policy (chat rows only):
   * "per_turn" (speculators): one Sample per assistant turn, holding the messages up to and
@@ -50,6 +54,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hsx_client.corpus import images
 from hsx_client.corpus.recorded import recorded_samples
 from hsx_client.corpus.rows import NO_ASSISTANT, QUESTION_ONLY, BadRow, RowProblem, Sample
 
@@ -134,6 +139,7 @@ def _pick_split(ds: Any, where: str, split: str | None) -> Any:
 def _iter_hf(ds: Any) -> Iterator[tuple[int, Any, str | None]]:
     if hasattr(ds, "with_format"):
         ds = ds.with_format(None)  # plain python values, even for torch-formatted sets
+    ds = images.undecoded(ds)
     for i, row in enumerate(ds, 1):
         yield i, row, None
 
@@ -288,6 +294,15 @@ CHAT_READERS: dict[str, Callable[[dict], tuple[list[dict], list | None]]] = {
 }
 
 
+def chat_messages(kind: str, row: dict, base_dir: Path | None) -> tuple[list[dict], list | None]:
+    """A chat row's messages and tools, its images as `image_url` parts (hsx_client.corpus.images:
+    relative paths from `base_dir`, the input's directory)."""
+    msgs, tools = CHAT_READERS[kind](row)
+    if images.has_images(row):
+        msgs = images.resolve(msgs, row, base_dir)
+    return msgs, tools
+
+
 def _pretokenized(row: dict) -> dict:
     ids, mask = row["input_ids"], row.get("loss_mask")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
@@ -376,6 +391,7 @@ def read_samples(
 
     for spec, b in zip(paths, base):
         name, rows = open_source(spec)
+        base_dir = images.source_dir(spec)
         if b in clash:
             name = spec
         for n, row, err in rows:
@@ -405,11 +421,11 @@ def read_samples(
                 elif kind == "mtbench_answer":
                     answers.append((name, n, source, row))
                 else:
-                    if kind == "openai" and row.get("hsx_turns") is not None:  # hsx regenerate's output
-                        new = recorded_samples(name, n, source, row["hsx_turns"], mask_policy)
+                    if kind == "openai" and row.get("hsx_turns") is not None and not images.has_images(row):
+                        new = recorded_samples(name, n, source, row["hsx_turns"], mask_policy)  # hsx regenerate's output
                         samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
                         continue
-                    msgs, tools = CHAT_READERS[kind](row)
+                    msgs, tools = chat_messages(kind, row, base_dir)
                     new = _chat_samples(name, n, source, msgs, tools, mask_policy)
                     samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
             except RowProblem as exc:

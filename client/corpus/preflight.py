@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hsx_client.corpus import disk_estimate
+from hsx_client.corpus import disk_estimate, images
 from hsx_client.corpus import plan as planning
 from hsx_client.api import HsxClient
 from hsx_client.errors import HsxError
@@ -41,11 +41,15 @@ async def token_ratio(client: HsxClient, keys: list[str], samples: planning.Samp
         if max_len:
             body.update(max_length=max_len, truncation=trunc if trunc != "error" else "right")
         try:
+            if images.needs_inlining(body):
+                body = await asyncio.to_thread(images.inline, body)
             answer = await client.tokenize(body)
         except HsxError as exc:
             if exc.status == 404:
                 raise
             return None  # a bad row: the run will say so
+        except images.ImageFileError:
+            return None
         n, mask = len(answer["token_ids"]), answer.get("loss_mask")
         stored = 0 if mask is not None and not any(mask) else n
         before = int(answer.get("num_input_tokens") or n)

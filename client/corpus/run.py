@@ -30,36 +30,30 @@ Stopping (Ctrl-C, `request_stop`): no new sample starts, requests in flight are
 cancelled (those samples are simply not done), stores already running finish.
 
 `RunHooks` are the loop's small callbacks (the benchmark times the fan-out with them).
-The state the workers share is one `RunState`. With `--workers N` (hsx_client.corpus.workers)
-each worker process runs this loop open-ended (samples arrive through `add`), its
-manifest and failed log stand-ins sending the lines to the parent, the one writer.
+The state the workers share is one `RunState` (both in hsx_client.corpus.run_state). With
+`--workers N` (hsx_client.corpus.workers) each worker process runs this loop open-ended
+(samples arrive through `add`), its manifest and failed log stand-ins sending the lines to
+the parent, the one writer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
-import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from hsx.exit_codes import ExitCode
-from hsx.host import usable_cores
-from hsx_client.corpus import journal, store
-from hsx_client.api import HsxClient, RawResponse
+from hsx_client.corpus import images, store
+from hsx_client.api import RawResponse
 from hsx_client.errors import (
-    AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError, ServersUnreachableError,
+    AuthenticationError, HsxError, LeaseExpiredError, ResponseValidationError, RetriesExhaustedError, ServerError,
+    ServersUnreachableError,
 )
+from hsx_client.sample_stream import SampleStream
 from hsx_client.corpus.plan import DROPPED
-from hsx_client.corpus.progress import Progress
-from hsx_client.corpus.settings import CorpusSettings
+from hsx_client.corpus.run_state import RunHooks, RunState, StopSignals, default_write_workers
 
 log = logging.getLogger("hsx.extract")
 
@@ -75,101 +69,6 @@ class SampleDropped(Exception):
 
 
 NO_SUPERVISED = "no_supervised_tokens"  # the server's error type for require_supervised
-
-
-@dataclass
-class RunHooks:
-    """Callbacks on the loop's events, run on the event loop (keep them quick)."""
-
-    on_start: Callable[["RunState"], None] | None = None  # the workers are about to send (processes: all ready)
-    on_stored: Callable[["RunState", int, dict], None] | None = None  # a manifest line is on disk
-    on_failed: Callable[["RunState", int, dict], None] | None = None  # a failed.jsonl line is on disk
-    on_end: Callable[["RunState"], None] | None = None  # every worker has returned
-
-
-@dataclass
-class RunState:
-    """What the workers share: the corpus side, the books, the queue and the stop flags."""
-
-    client: HsxClient
-    fmt: Any
-    ctx: Any
-    out: Path
-    settings: CorpusSettings
-    served_layers: list[int]
-    keys: list[str]
-    by_key: dict[str, Any]
-    manifest: journal.JsonlLog
-    failed_log: journal.JsonlLog
-    done: dict[int, dict[str, Any]]
-    failed: dict[int, dict[str, Any]]
-    progress: Progress
-    queue: deque[int] = field(default_factory=deque)
-    stopping: bool = False
-    stop_reason: str | None = None
-    fatal: BaseException | None = None
-    consecutive_5xx: int = 0
-    http_only: set[int] = field(default_factory=set)  # samples whose lease expired: asked again over HTTP
-    store_s: float = 0.0  # summed over samples: decode, encode, write, fsync (bench's profile)
-    life_s: float = 0.0  # summed over answered samples: taken off the queue -> stored (bench's profile)
-    worker_stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # --workers: their clients' stats, summed
-    max_buffer_bytes: int | None = None  # this loop's memory budget (None: byte_budget's default)
-    stream_redos: dict[int, int] = field(default_factory=dict)  # streams cut mid-body, per sample
-
-    def request_body(self, index: int) -> dict[str, Any]:
-        sample = self.by_key[self.keys[index]]
-        body = dict(sample.request)
-        s = self.settings
-        if s.layers != self.served_layers:
-            body.setdefault("layers", s.layers)
-        if s.max_length:
-            body.setdefault("max_length", s.max_length)
-            body.setdefault("truncation", s.truncation)
-        body.setdefault("id", sample.key)
-        body.setdefault("require_supervised", True)  # refused before the prefill (dropped)
-        return body
-
-
-def default_write_workers() -> int:
-    """Store threads of one loop: decode, hash and fsync release the GIL."""
-    return max(4, min(16, usable_cores() * 2))
-
-
-class StopSignals:
-    """SIGINT/SIGTERM on the event loop: the first calls `request_stop("interrupted")`
-    (stores in progress finish), the second exits at once (the state stays resumable)."""
-
-    def __init__(self, request_stop: Callable[[str], None]) -> None:
-        self._request_stop = request_stop
-        self._count = 0
-        self._installed: list[signal.Signals] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def install(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, self._on_signal, sig.name)
-                self._installed.append(sig)
-            except (NotImplementedError, RuntimeError):
-                pass
-
-    def remove(self) -> None:
-        for sig in self._installed:
-            assert self._loop is not None
-            self._loop.remove_signal_handler(sig)
-        self._installed = []
-
-    def _on_signal(self, signame: str) -> None:
-        self._count += 1
-        if self._count > 1:
-            print(f"\nhsx extract: second {signame}, exiting now (state stays resumable)", file=sys.stderr)
-            os._exit(ExitCode.INTERRUPTED)
-        print(
-            f"\nhsx extract: {signame}: finishing stores in progress, then exiting (again to exit at once)",
-            file=sys.stderr,
-        )
-        self._request_stop("interrupted")
 
 
 class RunLoop:
@@ -316,7 +215,7 @@ class RunLoop:
             if stream is None:
                 return
             # a whole lease's states, taken out: in memory beyond the stream's chunk buffer
-            extra = max(0, getattr(stream, "taken_bytes", 0) - self.chunk_bytes)
+            extra = max(0, stream.taken_bytes - self.chunk_bytes)
             self.budget.take(extra)
             held += extra
             self._phase[task] = "store"
@@ -328,10 +227,8 @@ class RunLoop:
             self._phase[task] = "idle"
             await self.budget.release(held)
 
-    async def _store_stream(self, index: int, stream: Any) -> None:
-        from hsx_client.corpus.formats.common import CorpusFormatError
-        from hsx_client.corpus.stream_write import StreamDropped, store_stream
-        from hsx_client.sample_stream import StreamError
+    async def _store_stream(self, index: int, stream: SampleStream) -> None:
+        from hsx_client.corpus.stream_write import store_stream
 
         st = self.state
         loop = asyncio.get_running_loop()
@@ -347,35 +244,17 @@ class RunLoop:
             await blocking(st.manifest.append, entry)
             # a streamed body is received while it is stored: its receiving is counted once,
             # in the server's receive_s, so the profile's phases still sum within a life
-            st.store_s += max(0.0, time.perf_counter() - t - getattr(stream, "receive_s", 0.0))
-        except CorpusFormatError as exc:
-            self._fail(index, "encode", exc)
-            return
-        except StreamDropped as exc:
-            self._fail(index, DROPPED, exc)
-            return
-        except LeaseExpiredError as exc:  # a chunk's lease expired before it was taken out
-            self._lease_expired(index, exc)
-            return
-        except (HsxError, StreamError) as exc:  # the body broke off or came malformed: ask again
-            redos = st.stream_redos[index] = st.stream_redos.get(index, 0) + 1
-            if redos >= STREAM_REDOS:
-                self._fail(index, "server_error", exc)
-            else:
-                log.warning("sample %d: %s; requesting it again", index, exc)
-                st.queue.append(index)
-            return
+            st.store_s += max(0.0, time.perf_counter() - t - stream.receive_s)
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # disk full, a bug: stop, resumable
-            self._stop_on(exc, f"storing failed: {exc}")
+        except BaseException as exc:
+            self._failed(index, exc)
             return
         finally:
             await stream.aclose()
         st.done[index] = entry
         written = sum(f["size"] for f in stored.files.values())
-        st.progress.sample_done(tokens=entry["tokens"], wire_bytes=getattr(stream, "wire_bytes", 0),
-                                written_bytes=written)
+        st.progress.sample_done(tokens=entry["tokens"], wire_bytes=stream.wire_bytes, written_bytes=written)
         if self.hooks.on_stored is not None:
             self.hooks.on_stored(st, index, entry)
 
@@ -396,58 +275,36 @@ class RunLoop:
         lease_ok = index not in st.http_only
         try:
             body = st.request_body(index)
+            if images.needs_inlining(body):  # its image files, read now (the plan holds their paths)
+                body = await asyncio.to_thread(images.inline, body)
             if stream:
                 raw = await st.client.hidden_states_stream(body, lease_ok=lease_ok, chunk_bytes=self.chunk_bytes)
             else:  # a format may ask for less than states (POST /tokenize)
                 raw = await st.fmt.fetch(st.client, body, lease_ok=lease_ok)
-            raw = await self._take_out(raw)
+            raw = await self._take_out(raw, stream)
         except asyncio.CancelledError:
             if st.stopping:
                 return None  # abandoned: not done, redone on resume
             raise
-        except ServersUnreachableError as exc:
-            self._stop_on(exc, "servers unreachable")
-            return None
-        except RetriesExhaustedError as exc:
-            if isinstance(exc.last_error, ServerError):
-                st.consecutive_5xx += 1
-                self._fail(index, "server_error", exc.last_error)
-                if st.consecutive_5xx >= self.breaker:
-                    self._stop_on(exc, f"{st.consecutive_5xx} samples in a row failed with 5xx")
-                return None
-            self._stop_on(exc, "servers unreachable")
-            return None
-        except AuthenticationError as exc:
-            self._stop_on(exc, "authentication failed")
-            return None
-        except LeaseExpiredError as exc:
-            self._lease_expired(index, exc)
-            return None
-        except HsxError as exc:  # 400/422/413/other 4xx: the sample is bad
-            if exc.type == NO_SUPERVISED:
-                self._fail(index, DROPPED, exc)
-            else:
-                self._fail(index, {413: "too_large"}.get(exc.status or 0, "bad_request"), exc)
+        except (HsxError, images.ImageFileError) as exc:
+            self._failed(index, exc)
             return None
         st.consecutive_5xx = 0
         return raw
 
-    async def _take_out(self, answer: Any) -> Any:
+    async def _take_out(self, answer: Any, stream: bool) -> Any:
         """A lease's states copied here and the lease released, before anything slow (the
         module docstring); LeaseExpiredError when it had expired. A stream's own `take_out`
         (a chunked lease stream's: its first chunk; the others as they are read), a
-        RawResponse's through the client."""
-        try:
-            if hasattr(answer, "take_out"):  # a stream under a lease
+        RawResponse's through the client (a format's other answers hold no lease)."""
+        if stream:
+            try:
                 await answer.take_out()
-                return answer
-            if getattr(answer, "lease", None) is not None:
-                return await self.state.client.take_out(answer)
-            return answer
-        except BaseException:
-            if hasattr(answer, "aclose"):
+            except BaseException:
                 await answer.aclose()
-            raise
+                raise
+            return answer
+        return await self.state.client.take_out(answer) if getattr(answer, "lease", None) is not None else answer
 
     async def _store_and_record(self, index: int, raw: RawResponse) -> None:
         st = self.state
@@ -457,21 +314,65 @@ class RunLoop:
             t = time.perf_counter()
             entry, written = await asyncio.shield(loop.run_in_executor(self._pool, self._store, index, raw))
             st.store_s += time.perf_counter() - t
-        except SampleEncodeError as exc:
-            self._fail(index, "encode", exc)
-            return
-        except SampleDropped as exc:
-            self._fail(index, DROPPED, exc)
-            return
         except asyncio.CancelledError:
             raise  # the worker ends (a stop cancels requests, never stores: this came from outside)
-        except BaseException as exc:  # disk full, a bug: stop, resumable
-            self._stop_on(exc, f"storing failed: {exc}")
+        except BaseException as exc:
+            self._failed(index, exc)
             return
         st.done[index] = entry
         st.progress.sample_done(tokens=entry["tokens"], wire_bytes=raw.wire_bytes, written_bytes=written)
         if self.hooks.on_stored is not None:
             self.hooks.on_stored(st, index, entry)
+
+    def _failed(self, index: int, exc: BaseException) -> None:
+        """The one failure ladder of a sample, whether fetching or storing it failed: fail it
+        (a kind of failed.jsonl), ask for it again, or stop the run (resumable)."""
+        from hsx_client.corpus.formats.common import CorpusFormatError
+        from hsx_client.corpus.stream_write import StreamDropped
+
+        st = self.state
+        if isinstance(exc, ServersUnreachableError):
+            self._stop_on(exc, "servers unreachable")
+        elif isinstance(exc, RetriesExhaustedError):
+            self._retries_exhausted(index, exc)
+        elif isinstance(exc, AuthenticationError):
+            self._stop_on(exc, "authentication failed")
+        elif isinstance(exc, LeaseExpiredError):
+            self._lease_expired(index, exc)
+        elif isinstance(exc, (SampleEncodeError, CorpusFormatError)):
+            self._fail(index, "encode", exc)
+        elif isinstance(exc, images.ImageFileError):  # its image file is gone or unreadable
+            self._fail(index, "bad_request", exc)
+        elif isinstance(exc, (SampleDropped, StreamDropped)):
+            self._fail(index, DROPPED, exc)
+        elif isinstance(exc, HsxError) and exc.retryable:  # a stream that broke off or came malformed
+            redos = st.stream_redos[index] = st.stream_redos.get(index, 0) + 1
+            if redos >= STREAM_REDOS:
+                self._fail(index, "server_error", exc)
+            else:
+                log.warning("sample %d: %s; requesting it again", index, exc)
+                st.queue.append(index)
+        elif isinstance(exc, HsxError):  # 400/422/413/other 4xx: the sample is bad
+            kind = DROPPED if exc.type == NO_SUPERVISED else {413: "too_large"}.get(exc.status or 0, "bad_request")
+            self._fail(index, kind, exc)
+        else:  # disk full, a bug: stop, resumable
+            self._stop_on(exc, f"storing failed: {exc}")
+
+    def _retries_exhausted(self, index: int, exc: RetriesExhaustedError) -> None:
+        """Every attempt failed: a 5xx each time is this sample's (the breaker counts a run of
+        them), a malformed body each time too (not the engine's: no breaker); anything else
+        (unreachable, timing out, busy) is the servers' and stops the run."""
+        st = self.state
+        last = exc.last_error
+        if isinstance(last, ServerError):
+            st.consecutive_5xx += 1
+            self._fail(index, "server_error", last)
+            if st.consecutive_5xx >= self.breaker:
+                self._stop_on(exc, f"{st.consecutive_5xx} samples in a row failed with 5xx")
+        elif isinstance(last, ResponseValidationError):
+            self._fail(index, "server_error", last)
+        else:
+            self._stop_on(exc, "servers unreachable")
 
     def _lease_expired(self, index: int, exc: LeaseExpiredError) -> None:
         """Asked again over an HTTP body, which cannot expire: no sample fails for a lease."""

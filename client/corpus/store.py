@@ -36,13 +36,11 @@ import json
 import os
 import secrets
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import xxhash
 
-from hsx.sizes import fmt_bytes
 
 TMP_MARK = ".hsx-tmp-"
 LOCK_NAME = ".lock"
@@ -70,11 +68,6 @@ class LockedError(StoreError):
     pass
 
 
-class InsufficientDiskError(StoreError):
-    pass
-
-
-# ---------------------------------------------------------------- files
 def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -454,38 +447,3 @@ def check_checksums(root: Path, entry: dict[str, Any]) -> list[str]:
         elif want is not None and digest != want:
             problems.append(f"{rel}: {algo} mismatch (file corrupted)")
     return problems
-
-
-# ---------------------------------------------------------------- disk
-@dataclass
-class DiskEstimate:
-    needed: int
-    free: int
-    path: str
-
-    @property
-    def ok(self) -> bool:
-        return self.free >= self.needed
-
-
-# The estimate, scaled by 64 rows the server counted, came within 0.79x-1.09x of the bytes
-# written on the shared fixtures (2026-12-01): 15% covers that sampling error.
-DISK_MARGIN = 0.15
-
-
-def check_disk_space(root: Path, needed_bytes: int, *, force: bool = False, margin: float = DISK_MARGIN) -> DiskEstimate:
-    """Refuse (InsufficientDiskError) when `root`'s filesystem lacks `needed_bytes`
-    plus `margin`, unless `force`."""
-    p = Path(root)
-    while not p.exists():
-        p = p.parent
-    free = shutil.disk_usage(p).free
-    need = int(needed_bytes * (1 + margin))
-    est = DiskEstimate(needed=need, free=free, path=str(root))
-    if not est.ok and not force:
-        raise InsufficientDiskError(
-            f"the corpus needs about {fmt_bytes(need)} (estimate + {margin:.0%} margin) but "
-            f"{root} has {fmt_bytes(free)} free; free space, pick another --output, lower "
-            "--max-samples/--max-length, or pass --force-disk to run anyway"
-        )
-    return est

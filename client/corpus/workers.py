@@ -46,7 +46,8 @@ from typing import Any
 from hsx_client.corpus import store
 from hsx_client.corpus.plan import DROPPED
 from hsx_client.corpus.progress import add_stats
-from hsx_client.corpus.run import RunHooks, RunLoop, RunState, StopSignals, default_write_workers
+from hsx_client.corpus.run import RunLoop
+from hsx_client.corpus.run_state import RunHooks, RunState, StopSignals, default_write_workers
 from hsx_client.corpus.worker_messages import End, Exited, Failed, Note, Progressed, Ready, Samples, Stop, Stored
 from hsx_client.malloc_tuning import keep_large_blocks
 from hsx_client.settings import ClientSettings

@@ -17,6 +17,11 @@ from .run import RegenConfig, run_regenerate
 from .turns import Sampling
 
 EPILOG = """\
+With --extract-to DIR the corpus is written too: against hsx serve (prefix caching on) in
+one pass, each sample's states read from the KV pages its generation wrote, as the
+conversations finish (crash-safe and resumable like hsx extract; rerun the same command);
+against any other server (or with --two-pass) by hsx extract of the output afterwards.
+
 Each assistant turn of every input conversation is generated again by the served model,
 against its own earlier replies (user, system and tool turns as recorded). The output is
 a chat JSONL `hsx extract` reads token-exactly: each row's `hsx_turns` holds every
@@ -65,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=DEFAULTS.timeout)
     p.add_argument("--max-attempts", type=int, default=DEFAULTS.max_attempts)
     p.add_argument("--extract-to", type=Path, metavar="DIR",
-                   help="then run hsx extract on the output into DIR (arguments after -- go to hsx extract)")
+                   help="also write the corpus into DIR (arguments after -- go to hsx extract): against hsx serve "
+                        "with prefix caching, in one pass (each conversation's states read from the pages its "
+                        "generation wrote); against other servers, hsx extract of the output afterwards")
+    p.add_argument("--two-pass", action="store_true",
+                   help="with --extract-to: regenerate everything, then hsx extract the output (a second prefill)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -135,6 +144,17 @@ def main(argv: list[str] | None = None) -> int:
                                   timeout=args.timeout, max_attempts=args.max_attempts)
     cfg = RegenConfig(client=client, inputs=args.inputs, output=args.output, sampling=sampling, shard=shard,
                       max_conversations=args.max_conversations, quiet=args.quiet)
+    if args.extract_to is not None:
+        chained = ["--input", str(args.output), "--output", str(args.extract_to)]
+        for url in servers:
+            chained += ["--server", url]
+        if args.api_key:
+            chained += ["--api-key", args.api_key]
+        chained += ["--concurrency-per-server", str(args.concurrency_per_server)]  # one pass: what drives it
+        route, reason = asyncio.run(choose_route(cfg, args.two_pass))
+        print(f"hsx regenerate: {route}: {reason}", file=sys.stderr)
+        if route == ONE_PASS:
+            return _one_pass_main(cfg, chained + extract_args, args.json)
     try:
         result = asyncio.run(run_regenerate(cfg))
     except KeyboardInterrupt:
@@ -152,9 +172,52 @@ def main(argv: list[str] | None = None) -> int:
         return result.exit_code
     from hsx_client.corpus.cli import extract_main
 
-    chained = ["--input", str(args.output), "--output", str(args.extract_to)]
-    for url in servers:
-        chained += ["--server", url]
-    if args.api_key:
-        chained += ["--api-key", args.api_key]
     return extract_main(chained + extract_args)
+
+
+ONE_PASS, TWO_PASS = "one pass", "two passes"
+
+
+async def choose_route(cfg: RegenConfig, two_pass: bool) -> tuple[str, str]:
+    """(ONE_PASS or TWO_PASS, why) for --extract-to against cfg's servers."""
+    if two_pass:
+        return TWO_PASS, "--two-pass: regenerating, then hsx extract of the output (a second prefill)"
+    from hsx_client import HsxClient
+
+    from .one_pass import one_pass_refusal
+
+    async with HsxClient.from_settings(cfg.client, transport=cfg.transport) as client:
+        refusal = await one_pass_refusal(client)
+    if refusal is not None:
+        return TWO_PASS, f"{refusal}; regenerating, then hsx extract of the output (a second prefill)"
+    return ONE_PASS, "each conversation's states are read from the pages its generation wrote (one prefill)"
+
+
+def _one_pass_main(cfg: RegenConfig, extract_argv: list[str], as_json: bool) -> int:
+    from hsx_client.corpus.cli import extract_config
+    from hsx_client.corpus.extract import format_summary
+
+    from .one_pass import run_one_pass
+
+    parsed = extract_config(extract_argv)
+    if not isinstance(parsed, tuple):
+        return parsed
+    try:
+        code, s = asyncio.run(run_one_pass(cfg, parsed[0]))
+    except KeyboardInterrupt:
+        print("hsx regenerate: interrupted; rerun the same command to resume", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    if "error" in s:
+        print(f"hsx regenerate: {s['error']}", file=sys.stderr)
+    x = s.get("extract", {})
+    if x.get("status") == "refused" or ("planned" not in x and x):
+        print(f"hsx extract: {x.get('message')}", file=sys.stderr)
+    elif x:
+        out = s["in_output"]
+        print(f"hsx regenerate: {out['rows']} of {s['planned']} conversations in {s['output']}, {out['turns']} turns, "
+              f"{out['generated_tokens']} generated tokens ({s['regenerated']} conversations regenerated by this "
+              f"run, {s['dropped_this_run']} dropped: no room for their first reply)", file=sys.stderr)
+        print(format_summary(x), file=sys.stderr)
+    if as_json:
+        print(json.dumps({**s, "exit_code": code}, default=str))
+    return code

@@ -1,5 +1,7 @@
 """Input rows -> conversations to regenerate (the readers of hsx_client.corpus.inputs, one
-conversation per row, keyed `{name}:{n}` as extract keys its rows)."""
+conversation per row, keyed `{name}:{n}` as extract keys its rows). A row's images are
+`image_url` parts as extract reads them (hsx_client.corpus.images: a missing file is a bad
+row); every turn is asked with the images of the messages before it."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from hsx_client.corpus.inputs import CHAT_READERS, open_source, row_kind
+from hsx_client.corpus import images
+from hsx_client.corpus.inputs import CHAT_READERS, chat_messages, open_source, row_kind
 from hsx_client.corpus.rows import BadRow, RowProblem
 
 
@@ -18,6 +21,10 @@ class Conversation:
     messages: list[dict[str, Any]]
     tools: list[dict] | None = None
 
+    @property
+    def has_images(self) -> bool:
+        return images.has_images({"messages": self.messages})
+
 
 def read_conversations(paths: list[str], bad_rows: list[BadRow]) -> list[Conversation]:
     """Every usable row of `paths`, in input order. A row with no user turn, or a
@@ -27,6 +34,7 @@ def read_conversations(paths: list[str], bad_rows: list[BadRow]) -> list[Convers
     out: list[Conversation] = []
     for spec, b in zip(paths, base):
         name, rows = open_source(spec)
+        base_dir = images.source_dir(spec)
         if b in clash:
             name = spec
         for n, row, err in rows:
@@ -35,7 +43,7 @@ def read_conversations(paths: list[str], bad_rows: list[BadRow]) -> list[Convers
                 bad_rows.append(BadRow(source, str(err), getattr(err, "kind", "invalid_json")))
                 continue
             try:
-                msgs, tools = _messages(row)
+                msgs, tools = _messages(row, base_dir)
                 if not any(m["role"] == "user" for m in msgs):
                     raise RowProblem("conversation has no user turn to answer", "no_user_turn")
                 out.append(Conversation(f"{name}:{n}", source, msgs, tools))
@@ -44,10 +52,10 @@ def read_conversations(paths: list[str], bad_rows: list[BadRow]) -> list[Convers
     return out
 
 
-def _messages(row: Any) -> tuple[list[dict], list | None]:
+def _messages(row: Any, base_dir: Any) -> tuple[list[dict], list | None]:
     kind = row_kind(row)
     if kind in CHAT_READERS:
-        return CHAT_READERS[kind](row)
+        return chat_messages(kind, row, base_dir)
     if kind in ("prompt", "text"):
         text = row[kind]
         if not isinstance(text, str) or not text.strip():

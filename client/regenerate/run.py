@@ -19,6 +19,7 @@ from typing import Any
 from hsx.exit_codes import ExitCode
 from hsx import __version__ as hsx_version
 from hsx_client import AuthenticationError, BadRequestError, ClientSettings, HsxClient, HsxError
+from hsx_client.corpus import images
 from hsx_client.corpus.rows import BadRow
 
 from .conversations import Conversation, read_conversations
@@ -78,7 +79,7 @@ async def run_regenerate(cfg: RegenConfig) -> RegenResult:
         reasons = Counter(b.kind for b in bad)
         return RegenResult(ExitCode.REFUSED, {"error": f"no usable conversation in the inputs (bad rows: {dict(reasons)})",
                                           "bad_rows": len(bad)})
-    refusal = await preflight(cfg)
+    refusal = await preflight(cfg, with_images=sum(c.has_images for c in conversations))
     if refusal is not None:  # before any work: no plan written, nothing locked
         return RegenResult(ExitCode.REFUSED, {"error": refusal})
     journal = Journal(cfg.output)
@@ -94,13 +95,28 @@ async def run_regenerate(cfg: RegenConfig) -> RegenResult:
 
 
 PREFLIGHT_CHAT = [{"role": "user", "content": "Hello"}]
+# A 64x64 blue PNG: the run's image chats are asked once with it before any work.
+PREFLIGHT_IMAGE = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAEAAAABACAIAAAAlC+aJAAAAUUlEQVR42u3PMQ0AMAgAMJgaJCIRWVPBQdI6a"
+                   "FZPXPbiOAEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAQEBAYF9HxuAAehvRUd1AAAAAElFTkSuQmCC")
+PREFLIGHT_IMAGE_CHAT = [{"role": "user", "content": [images.image_part(PREFLIGHT_IMAGE),
+                                                     {"type": "text", "text": "What colour is this?"}]}]
 
 
-async def preflight(cfg: RegenConfig) -> str | None:
+async def complete_with_images(client: HsxClient, body: dict[str, Any]) -> dict[str, Any]:
+    """One chat completion; the plan's `file://` images read into data URIs first (off the
+    event loop), as `hsx extract` sends them (hsx_client.corpus.images)."""
+    if images.needs_inlining(body):
+        body = await asyncio.to_thread(images.inline, body)
+    return await client.chat_completion(body, request_id=None)
+
+
+async def preflight(cfg: RegenConfig, with_images: int = 0) -> str | None:
     """One tiny generation (max_tokens 1) with each of the run's settings (its --mix
     variants' too) before any work: the line that refuses the run when the server rejects
     them (a 400/422: e.g. --seed on vLLM's CPU backend) or answers without token ids; None
-    when they pass, or when the server could not be asked (the run then fails as it would)."""
+    when they pass, or when the server could not be asked (the run then fails as it would).
+    With image chats among the conversations (`with_images` of them), one with a small image
+    too: a server that takes no images refuses the run there, not each conversation."""
     settings = [cfg.sampling] if not cfg.sampling.mix else [
         cfg.sampling.for_variant(v) for v in cfg.sampling.mix]
     client = HsxClient.from_settings(cfg.client, transport=cfg.transport)
@@ -124,6 +140,22 @@ async def preflight(cfg: RegenConfig) -> str | None:
                         "nothing was generated or locked: rerun with other settings")
             except HsxError:
                 return None
+        if with_images:
+            return await _image_preflight(client, settings[0], with_images)
+    return None
+
+
+async def _image_preflight(client: HsxClient, sampling: Sampling, count: int) -> str | None:
+    body = request_body(PREFLIGHT_IMAGE_CHAT, None, replace(sampling, max_tokens=1),
+                        sampling.conversation_seed("preflight"), 0)
+    try:
+        reply_of(await client.chat_completion(body, request_id=None))
+    except BadRequestError as exc:
+        return (f"the server refuses image chats ({count} of the conversations have images): {exc.message}; "
+                "nothing was generated or locked: serve a model that takes images on a server whose "
+                "/v1/chat/completions does, or leave those rows out")
+    except HsxError:
+        return None
     return None
 
 
@@ -172,7 +204,7 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
             sampling, variant = cfg.sampling.for_conversation(conv.key)
             try:
                 out = await regenerate(conv.key, conv.messages, conv.tools, sampling,
-                                       lambda body: client.chat_completion(body, request_id=None))
+                                       lambda body: complete_with_images(client, body))
             except NoTokenIds as exc:
                 refused.append(exc)
                 return
@@ -180,25 +212,15 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
                 journal.record(conv.key, None)  # dropped for good: a rerun does not try it again
                 stats["dropped"] += 1
                 return
-            except HsxError as exc:
-                reason = exc.type or type(exc).__name__
+            except (HsxError, images.ImageFileError) as exc:
+                reason = images.MISSING_IMAGE if isinstance(exc, images.ImageFileError) else exc.type or type(exc).__name__
                 failures[reason] += 1
                 errors.setdefault(conv.key, str(exc))
-                examples.setdefault(reason, f"{conv.key}: {exc.message}")
+                examples.setdefault(reason, f"{conv.key}: {getattr(exc, 'message', exc)}")
                 return
-            row: dict[str, Any] = {"messages": out.messages}
-            if conv.tools:
-                row["tools"] = conv.tools
-            row["hsx_turns"] = out.turns
-            row["hsx_regenerated"] = {"key": conv.key, "source": conv.source, "ended": out.ended,
-                                      "seed": cfg.sampling.conversation_seed(conv.key)}
+            journal.record(conv.key, conversation_row(cfg, conv, out, sampling, variant))
             if variant is not None:
-                row["hsx_regenerated"]["variant"] = variant.name
-                row["hsx_regenerated"]["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                                                      "max_tokens": sampling.max_tokens,
-                                                      "chat_template_kwargs": sampling.chat_template_kwargs}
                 stats["variants"][variant.name] += 1
-            journal.record(conv.key, row)
             stats["conversations"] += 1
             stats["turns"] += len(out.turns)
             stats["generated_tokens"] += out.generated_tokens
@@ -220,18 +242,7 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
             bar.close()
     elapsed = time.monotonic() - started
     keys = [c.key for c in conversations]
-    manifest = {
-        "what": "hsx regenerate",
-        "inputs": cfg.inputs,
-        "sampling": plan_of(cfg, conversations)["sampling"],
-        "model": info.get("model"),
-        "model_revision": info.get("model_revision"),
-        "vllm_version": info.get("vllm_version"),
-        "hsx_version": hsx_version,
-        "server_hsx_version": info.get("hsx_version"),
-        "planned": len(keys),
-        "complete": all(k in journal.done for k in keys),
-    }
+    manifest = output_manifest(cfg, conversations, journal, info)
     if not interrupted:
         manifest = journal.write_output(keys, manifest)
     dropped = [k for k in keys if k in journal.done and journal.done[k] is None]  # journaled as None
@@ -267,6 +278,40 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
     if interrupted:
         return RegenResult(ExitCode.INTERRUPTED, summary)
     return RegenResult(ExitCode.OK if manifest["complete"] else ExitCode.FAILED, summary)
+
+
+def conversation_row(cfg: RegenConfig, conv: Conversation, out: Any, sampling: Sampling, variant: Any) -> dict:
+    """The output row of one regenerated conversation (`out`: turns.Regenerated)."""
+    row: dict[str, Any] = {"messages": out.messages}
+    if conv.tools:
+        row["tools"] = conv.tools
+    row["hsx_turns"] = out.turns
+    row["hsx_regenerated"] = {"key": conv.key, "source": conv.source, "ended": out.ended,
+                              "seed": cfg.sampling.conversation_seed(conv.key)}
+    if variant is not None:
+        row["hsx_regenerated"]["variant"] = variant.name
+        row["hsx_regenerated"]["sampling"] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                              "max_tokens": sampling.max_tokens,
+                                              "chat_template_kwargs": sampling.chat_template_kwargs}
+    return row
+
+
+def output_manifest(cfg: RegenConfig, conversations: list[Conversation], journal: Journal,
+                    info: dict[str, Any]) -> dict[str, Any]:
+    """The output's manifest (how it was made), before `Journal.write_output` adds its size."""
+    keys = [c.key for c in conversations]
+    return {
+        "what": "hsx regenerate",
+        "inputs": cfg.inputs,
+        "sampling": plan_of(cfg, conversations)["sampling"],
+        "model": info.get("model"),
+        "model_revision": info.get("model_revision"),
+        "vllm_version": info.get("vllm_version"),
+        "hsx_version": hsx_version,
+        "server_hsx_version": info.get("hsx_version"),
+        "planned": len(keys),
+        "complete": all(k in journal.done for k in keys),
+    }
 
 
 def output_counts(keys: list[str], done: dict[str, Any]) -> dict[str, int]:

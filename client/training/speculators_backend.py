@@ -48,8 +48,8 @@ import numpy as np
 import torch
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
-from hsx_client import (AuthenticationError, HsxError, LeaseExpiredError, RetriesExhaustedError, ServerError,
-                        ServersUnreachableError)
+from hsx_client import (AuthenticationError, HsxError, LeaseExpiredError, ResponseValidationError,
+                        RetriesExhaustedError, ServerError, ServersUnreachableError)
 from hsx_client.settings import DEFAULTS, TRANSFERS
 
 log = logging.getLogger("hsx.speculators")
@@ -235,7 +235,7 @@ class HsxTransfer(HiddenStatesTransfer):
         except ServersUnreachableError as exc:  # no server ever answered: infrastructure, not this row
             raise HsxSetupError(f"hsx servers unreachable at row {file_idx}: {exc}") from exc
         except RetriesExhaustedError as exc:
-            if not isinstance(exc.last_error, ServerError):  # unreachable, timing out or busy: not this row's fault
+            if not isinstance(exc.last_error, (ServerError, ResponseValidationError)):  # unreachable, timing out or busy: not this row's fault
                 raise HsxSetupError(f"hsx servers unreachable or busy at row {file_idx}: {exc}") from exc
             return self._unavailable(file_idx, exc)  # the engine failed on this row every time
         except (HsxError, ValueError) as exc:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
+from prometheus_client.core import CounterMetricFamily
 
 
 LOOP_LAG_INTERVAL = 0.1
@@ -69,6 +72,10 @@ class Metrics:
         self._raw_total = 0
         self._wire_total = 0
 
+    def watch_engine_tokens(self, totals: Callable[[], dict[str, int]]) -> None:
+        """Expose the engine's own token counters (engine_stats.py), read at each scrape."""
+        self.registry.register(EngineTokens(totals))
+
     def sent(self, raw: int, wire: int) -> None:
         self.raw_bytes.inc(raw)
         self.wire_bytes.inc(wire)
@@ -85,3 +92,30 @@ async def sample_loop_lag(metrics: Metrics, interval: float = LOOP_LAG_INTERVAL)
         due = loop.time() + interval
         await asyncio.sleep(interval)
         metrics.loop_lag.observe(max(0.0, loop.time() - due))
+
+
+class EngineTokens:
+    """hsx_engine_prompt_tokens_total (computed: prefilled by the engine, prefix-cache hits
+    left out), hsx_engine_prompt_cached_tokens_total (served from the prefix cache) and
+    hsx_engine_generation_tokens_total: what every request on the engine cost, generation
+    and /hidden_states alike (a /hidden_states prefill samples one token, counted as
+    generated)."""
+
+    HELP = {
+        "prompt_computed": ("hsx_engine_prompt_tokens", "Prompt tokens the engine computed (prefix-cache hits excluded)"),
+        "prompt_cached": ("hsx_engine_prompt_cached_tokens", "Prompt tokens served from the engine's prefix cache"),
+        "generation": ("hsx_engine_generation_tokens", "Tokens the engine generated (sampled)"),
+    }
+
+    def __init__(self, totals: Callable[[], dict[str, int]]) -> None:
+        self._totals = totals
+
+    def collect(self):
+        totals = self._totals()
+        for key, (name, text) in self.HELP.items():
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], totals.get(key, 0))
+            yield family
+
+    def describe(self):
+        return [CounterMetricFamily(name, text) for name, text in self.HELP.values()]

@@ -143,10 +143,26 @@ def _dtype_name(dtype: Any) -> str:
 def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: SharedArena, notify_address: str,
                         credit_address: str | None = None):
     """Validate and return (VllmConfig, ModelFacts). Raises StartupError with the reason."""
-    from vllm.model_executor.models.interfaces import supports_eagle3
-    from vllm.model_executor.models.registry import ModelRegistry
-
     version = vllm_compat.installed_version()
+    _check_engine_args(engine_args, version)
+    model_cls, arch, n, layers = _capturable_model(engine_args, settings, version)
+    hybrid = vllm_compat.is_hybrid(model_cls)
+    _install_capture(engine_args, layers, arena, notify_address, credit_address)
+    try:
+        vllm_config = engine_args.create_engine_config()
+    except Exception as exc:
+        raise StartupError(f"vLLM rejected the engine settings: {exc}") from exc
+    mc = vllm_config.model_config
+    if hybrid and vllm_compat.is_cpu_backend() and _dtype_name(mc.dtype) != "bfloat16":
+        raise StartupError(
+            f"{arch} on vLLM's CPU backend needs --dtype bfloat16 (its Gated DeltaNet kernel takes no other dtype)"
+        )
+    return vllm_config, _model_facts(mc, arch, n, layers, version)
+
+
+def _check_engine_args(engine_args: Any, version: str) -> None:
+    """The vLLM release, the parallel layout (and the CPU workers' cores for it), and no
+    flag that would take the place of hsx's own speculative or KV-transfer settings."""
     check_vllm_version(version)
     check_parallelism(version, engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size,
                       engine_args.data_parallel_size)
@@ -160,6 +176,13 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
         raise StartupError("--speculative-config cannot be combined with hsx: it sets its own (extract_hidden_states)")
     if getattr(engine_args, "kv_transfer_config", None):
         raise StartupError("--kv-transfer-config cannot be combined with hsx: it installs its own connector")
+
+
+def _capturable_model(engine_args: Any, settings: ServiceSettings, version: str) -> tuple[Any, str, int, list[int]]:
+    """(model class, architecture, layer count, the layer ids to capture) of a model whose
+    states vLLM can capture with these settings; StartupError says why not."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.registry import ModelRegistry
 
     model = str(engine_args.model)
     if model.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(model)):
@@ -179,15 +202,18 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
             "(SupportsEagle3), so its hidden states cannot be captured. Verified with hsx (docs/compatibility.md): "
             "Llama, Qwen3-MoE, Qwen3-Next, DeepSeek-V3 / Kimi-K2 (MLA), Kimi-K2.5 (its text path)."
         )
-    hybrid = vllm_compat.is_hybrid(model_cls)
-    if hybrid:
+    if vllm_compat.is_hybrid(model_cls):
         check_hybrid(version, arch, engine_args, settings)
-    text_config = model_config.hf_text_config
-    n = int(text_config.num_hidden_layers)
+    n = int(model_config.hf_text_config.num_hidden_layers)
     layers = resolve_layers(settings.layers, n)
     check_layer_zero(model_cls, arch, layers)
     avoid_wrong_cpu_rope(model_config, engine_args, arch)
+    return model_cls, arch, n, layers
 
+
+def _install_capture(engine_args: Any, layers: list[int], arena: SharedArena, notify_address: str,
+                     credit_address: str | None) -> None:
+    """vLLM's extract_hidden_states for `layers`, and hsx's connector writing them to the arena."""
     engine_args.speculative_config = {
         "method": "extract_hidden_states",
         "num_speculative_tokens": 1,
@@ -204,17 +230,11 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
             "credit_address": credit_address,
         },
     }
-    try:
-        vllm_config = engine_args.create_engine_config()
-    except Exception as exc:
-        raise StartupError(f"vLLM rejected the engine settings: {exc}") from exc
-    mc = vllm_config.model_config
-    if hybrid and vllm_compat.is_cpu_backend() and _dtype_name(mc.dtype) != "bfloat16":
-        raise StartupError(
-            f"{arch} on vLLM's CPU backend needs --dtype bfloat16 (its Gated DeltaNet kernel takes no other dtype)"
-        )
+
+
+def _model_facts(mc: Any, arch: str, n: int, layers: list[int], version: str) -> ModelFacts:
     served = mc.served_model_name
-    facts = ModelFacts(
+    return ModelFacts(
         model=mc.model,
         revision=mc.revision,
         served_model_name=served[0] if isinstance(served, (list, tuple)) else str(served or mc.model),
@@ -230,4 +250,3 @@ def build_engine_config(engine_args: Any, settings: ServiceSettings, arena: Shar
         trust_remote_code=bool(mc.trust_remote_code),
         vllm_version=version,
     )
-    return vllm_config, facts

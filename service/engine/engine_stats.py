@@ -2,9 +2,13 @@
 
 vLLM's public hook for this is a custom stat logger passed to AsyncLLM
 (`stat_loggers=[factory]`); it is called in the API process with each step's
-SchedulerStats. hsx keeps only the KV-cache usage: with extraction every request
+SchedulerStats. hsx keeps the KV-cache usage (with extraction every request
 holds KV blocks until its states are copied, so a leak shows here before the
-engine stalls.
+engine stalls) and the engine's token counts of each step's IterationStats: prompt
+tokens *computed* (prefilled, prefix-cache hits left out), prompt tokens served from
+the prefix cache, and generated tokens. Computed prompt tokens are what a prefill
+costs, so they are the measure of one-pass regeneration (client/regenerate/one_pass.py):
+its capture request is a prefix-cache hit but for the conversation's last block.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ class EngineStats:
     def __init__(self) -> None:
         self._kv_usage: dict[int, float] = {}  # engine index (DP rank) -> last reported fraction
         self._kv_peak = 0.0
+        # Totals since start over all engines: prompt tokens computed, served from the
+        # prefix cache, and generated (as vLLM's IterationStats counts them).
+        self.tokens = {"prompt_computed": 0, "prompt_cached": 0, "generation": 0}
 
     def kv_cache_usage(self) -> float:
         """The fullest engine's KV-cache usage, 0..1 (0 before the first step)."""
@@ -28,6 +35,12 @@ class EngineStats:
         (tens of ms) and a scrape samples one instant, often between waves of prefills when
         it is 0; the peak is what sizing KV space or --max-num-seqs needs."""
         return self._kv_peak
+
+    def count_tokens(self, iteration_stats: Any) -> None:
+        computed, cached = vllm_compat.prompt_tokens(iteration_stats)
+        self.tokens["prompt_computed"] += computed
+        self.tokens["prompt_cached"] += cached
+        self.tokens["generation"] += int(getattr(iteration_stats, "num_generation_tokens", 0) or 0)
 
     def logger_factory(self) -> type:
         """A StatLoggerBase subclass vLLM instantiates once per engine: (vllm_config, engine_index)."""
@@ -44,6 +57,8 @@ class EngineStats:
                     if usage is not None:
                         stats._kv_usage[self.engine_index] = usage
                         stats._kv_peak = max(stats._kv_peak, usage)
+                if iteration_stats is not None:
+                    stats.count_tokens(iteration_stats)
 
             def log_engine_initialized(self) -> None:
                 pass

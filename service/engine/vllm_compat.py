@@ -137,6 +137,16 @@ def kv_cache_usage(scheduler_stats: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def prompt_tokens(iteration_stats: Any) -> tuple[int, int]:
+    """(computed, prefix-cached) prompt tokens of one engine step's IterationStats. vLLM 0.32+
+    splits them (`prompt_token_stats`); an older release reports only the total
+    (`num_prompt_tokens`), counted as computed."""
+    split = getattr(iteration_stats, "prompt_token_stats", None)
+    if split is not None and hasattr(split, "computed"):
+        return int(split.computed), int(getattr(split, "cached_tokens", 0))
+    return int(getattr(iteration_stats, "num_prompt_tokens", 0) or 0), 0
+
+
 def stat_logger_base() -> type:
     """The base class of custom stat loggers passed to AsyncLLM(stat_loggers=[factory]):
     record(scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) in 0.26 - 0.33."""

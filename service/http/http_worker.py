@@ -47,8 +47,7 @@ import uvicorn
 from hsx import lifeline
 from hsx.dtypes import BY_ST
 from hsx.protocol.lease import EXCHANGE_HEADER, SENT_HEADER, SESSION_HEADER, ArenaMap, SendReport, ShmUnavailable, attach
-from hsx.wire import (LEASE_MEDIA_TYPE, LEASE_STREAM_MEDIA_TYPE, LeaseStreamReader, TensorSpec, WireFormatError,
-                      check_body, lease_of)
+from hsx.wire import LEASE_MEDIA_TYPE, LeaseStreamReader, TensorSpec, WireFormatError, lease_of
 from hsx_service.core.admission import AdmissionGate
 from hsx_service.body.encode import encode_body
 from hsx_service.body.compress import CompressPool
@@ -60,6 +59,7 @@ from hsx_service.http.guard import GuardMiddleware
 from hsx_service.core.metrics import Metrics
 from hsx_service.body.negotiate import accepts_media, choose_coding
 from hsx_service.body.response import Stats
+from hsx_service.http.worker_lease_body import is_lease, is_lease_stream, rebuild_body
 from hsx_service.settings import ServiceSettings
 
 log = logging.getLogger("hsx.http_worker")
@@ -75,16 +75,6 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-leng
 
 def _forwarded_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in raw if k.lower() not in HOP_BY_HOP]
-
-
-def _is_lease_stream(answer: httpx.Response) -> bool:
-    """The chunked lease form: a sample larger than the engine process's stream window."""
-    return answer.status_code == 200 and answer.headers.get("content-type") == LEASE_STREAM_MEDIA_TYPE
-
-
-def _is_lease(answer: httpx.Response) -> bool:
-    """The engine process granted a lease (else: an error, or a body it sent itself)."""
-    return answer.status_code == 200 and answer.headers.get("content-type") == LEASE_MEDIA_TYPE
 
 
 async def _read_body(receive) -> bytes | None:
@@ -221,9 +211,9 @@ class HttpWorkerApp:
         except httpx.TransportError as exc:
             gone.cancel()
             raise _unreachable(exc) from exc
-        if _is_lease_stream(answer):
+        if is_lease_stream(answer):
             return await self._send_lease_stream(answer, headers, arena, send, gone)
-        if not _is_lease(answer):
+        if not is_lease(answer):
             gone.cancel()  # an error (or a body the engine process sent itself): as it is
             out = _forwarded_headers(answer.headers.raw)
             out.append((b"content-length", str(len(answer.content)).encode()))
@@ -241,10 +231,10 @@ class HttpWorkerApp:
             answer = await work
         except httpx.HTTPError:
             return  # no answer: nothing was granted, or the engine process saw the connection fail
-        if _is_lease_stream(answer):  # closing it ends its chunk leases (the engine process's serving.py)
+        if is_lease_stream(answer):  # closing it ends its chunk leases (the engine process's serving.py)
             await answer.aclose()
             return
-        if not _is_lease(answer):
+        if not is_lease(answer):
             return
         try:
             lease_id = lease_of(answer.content)["id"]
@@ -265,7 +255,7 @@ class HttpWorkerApp:
             lease = lease_of(content)
             if lease["arena_id"] != arena.arena_id:
                 raise WireFormatError(f"lease of arena {lease['arena_id']}, this worker maps {arena.arena_id}")
-            specs, parts, metadata = _rebuild(content, lease, arena)
+            specs, parts, metadata = rebuild_body(content, lease, arena)
             coding = choose_coding(headers.get("accept"), headers.get("accept-encoding"), BY_ST[lease["dtype"]].name)
             body_headers, stream = encode_body(specs, parts, metadata, coding, stats, self.pool)
             try:
@@ -287,7 +277,7 @@ class HttpWorkerApp:
         (its records come as the chunks land)."""
         answer = await self.client.send(self.client.build_request("POST", "/hidden_states", content=body,
                                                                   headers=headers), stream=True)
-        if not _is_lease_stream(answer):
+        if not is_lease_stream(answer):
             try:
                 await answer.aread()
             finally:
@@ -342,7 +332,7 @@ class HttpWorkerApp:
                     raise WireFormatError(f"lease of arena {lease['arena_id']}, this worker maps {arena.arena_id}")
                 whole = {**lease, "offset": 0, "nbytes": TensorSpec("hidden_states", lease["dtype"],
                                                                     tuple(lease["shape"])).nbytes}
-                specs, parts, metadata = _rebuild(reader.head, whole, None)
+                specs, parts, metadata = rebuild_body(reader.head, whole, None)
                 parts[0] = _Chunks(specs[0].nbytes)
                 coding = choose_coding(headers.get("accept"), headers.get("accept-encoding"),
                                        BY_ST[lease["dtype"]].name)
@@ -405,24 +395,6 @@ async def _send_body(send, answer: httpx.Response, body_headers: dict[str, str],
             return
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _rebuild(content: bytes, lease: dict, arena) -> tuple[list[TensorSpec], list, dict[str, str]]:
-    """The tensors and metadata of the body the engine process would have sent: the
-    states (from the arena) first, then the lease answer's tensors, its metadata without
-    the lease."""
-    header, start = check_body(content)
-    view = memoryview(content)
-    specs = [TensorSpec("hidden_states", lease["dtype"], tuple(lease["shape"]))]
-    parts: list = [arena.view(int(lease["offset"]), int(lease["nbytes"])) if arena is not None else b""]
-    if arena is not None and specs[0].nbytes != len(parts[0]):
-        raise WireFormatError(f"lease of {lease['nbytes']} bytes for states of shape {lease['shape']}")
-    tensors = sorted((e["data_offsets"][0], name, e) for name, e in header.items() if name != "__metadata__")
-    for lo, name, e in tensors:
-        specs.append(TensorSpec(name, e["dtype"], tuple(e["shape"])))
-        parts.append(view[start + lo : start + e["data_offsets"][1]])
-    metadata = {k: v for k, v in header.get("__metadata__", {}).items() if k != "lease"}
-    return specs, parts, metadata
 
 
 def _unreachable(exc: Exception) -> ServiceError:

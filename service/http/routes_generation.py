@@ -6,11 +6,18 @@ the token ids as vLLM's own `return_token_ids` does (`prompt_token_ids` at the t
 `token_ids` in the choice), so a client never re-tokenizes generated text. Same guard as
 /hidden_states: API key, body limits, --max-text-bytes, the admission gate (prompt plus
 max_tokens count against --max-queued-tokens), the tokenizer processes' fair share and
-bounded work (tokenize_pool.py), errors as {"error": {type, message}}.
+bounded work (tokenize_pool.py), images in user messages with the same parts, limits and
+handling (service/media), errors as {"error": {type, message}}.
 
 Reasoning: `hsx serve --reasoning-parser NAME` is vLLM's own engine flag; with it, the
 reply's text is split into `reasoning_content` and `content` by vLLM's parser of that name,
 the way `vllm serve` splits it.
+
+States of a generated conversation: the capture layer writes them into KV pages at every
+forward of a generation too (prefill and decode steps), and with prefix caching a
+/hidden_states request for the conversation's ids right after reuses those pages, computing
+only the last partial block: `hsx regenerate --extract-to` in one pass
+(client/regenerate/one_pass.py; /info's `regeneration` says whether this server can).
 """
 
 from __future__ import annotations
@@ -146,21 +153,27 @@ class Generator:
         if body.model is not None and body.model not in (facts.served_model_name, facts.model):
             raise BadInput(f"model {body.model!r} is not served here; this server serves {facts.served_model_name!r}")
         check_message_count(body.messages, st.settings.max_messages)  # 413, as on /hidden_states
+        # Images as on /hidden_states (service/media): loaded within the limits, placeholders in their
+        # place, so the image bytes count against no text bound and never reach the tokenizer processes.
+        body, images = await service.media.take(body)
         size = check_text_bytes(body, service.max_text_bytes)  # /hidden_states' bound (text_bounds.py)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         # A prompt past the context is refused once its tokenizing passes it (never tokenized whole).
         most = facts.max_model_len - 1
         enc = await service.tokenizer.encode("generation", messages, body.tools, None, body.chat_template_kwargs,
                                              client=ticket.client, long=is_long(size, most), most=most)
-        prompt = enc.token_ids
         if not enc.complete:
             raise BadInput(f"the prompt has more than {most} tokens, leaving no room to generate within "
                            f"max_model_len {facts.max_model_len}")
-        if not prompt:
+        if not enc.token_ids:
             raise BadInput("the chat renders to zero tokens")
+        if images:  # the model's processor expands each placeholder; the engine gets its prompt as made
+            enc = await service.media.expand(enc, images, len(enc.token_ids), most,
+                                             "max_model_len less one token to generate")
+        prompt = enc.token_ids
         params = sampling_params(body, len(prompt), facts.max_model_len)
         ticket.admit(len(prompt) + params.max_tokens)
-        final = await self._generate(prompt, params, request_id)
+        final = await self._generate(prompt, params, request_id, enc.engine_input)
         out = final.outputs[0]
         text = out.text
         reasoning = None
@@ -185,9 +198,12 @@ class Generator:
             "caller_id": body.id or "",
         }
 
-    async def _generate(self, prompt: list[int], params: Any, request_id: str) -> Any:
-        from vllm.inputs import TokensPrompt
+    async def _generate(self, prompt: list[int], params: Any, request_id: str, engine_input: Any = None) -> Any:
+        """`engine_input`: the prompt vLLM's renderer made of a chat with images (pixels and all)."""
+        if engine_input is None:
+            from vllm.inputs import TokensPrompt
 
+            engine_input = TokensPrompt(prompt_token_ids=prompt)
         engine = self.st.prefill.engine
         # The engine request gets an id of its own: the caller's X-Request-Id may repeat.
         engine_id = f"gen-{request_id}-{uuid.uuid4().hex[:8]}"
@@ -195,7 +211,7 @@ class Generator:
 
         async def run() -> None:
             nonlocal final
-            async for output in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, engine_id):
+            async for output in engine.generate(engine_input, params, engine_id):
                 final = output
 
         task = asyncio.get_running_loop().create_task(run())

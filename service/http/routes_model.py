@@ -40,6 +40,7 @@ async def info(request: Request):
             "sample_bound": "max_model_len",
         },
         "last_layer_pre_norm": True,
+        "regeneration": regeneration_capture(s.prefill.vllm_config),
         "final_norm": None if norm is None else {"eps": norm.eps, "style": norm.style, "tensor": norm.tensor_name},
         "chat_template_sha256": s.service.tokenizer.template_sha256,
         "vllm_version": card["vllm_version"],
@@ -75,3 +76,14 @@ async def final_norm(request: Request):
 )
 async def tokenize(body: HiddenStatesRequest, request: Request):
     return await serving(request).service.tokenize(body, request.state.request_id, request.state.ticket.client)
+
+
+def regeneration_capture(vllm_config) -> dict:
+    """What `hsx regenerate --extract-to` needs to capture states in one generation pass
+    (client/regenerate/one_pass.py): the capture layer writes every forwarded token's
+    states into KV pages, so with prefix caching on a /hidden_states request for the
+    generated conversation's ids, sent right after its generation, computes only its last
+    (partial) block; without prefix caching it would prefill the conversation again."""
+    cache = getattr(vllm_config, "cache_config", None)
+    prefix = bool(getattr(cache, "enable_prefix_caching", False))
+    return {"one_pass": prefix, "prefix_caching": prefix, "block_size": getattr(cache, "block_size", None)}

@@ -57,8 +57,10 @@ class ChatImages:
         images = await load_images(parts, self.limits, decode=self._decode)
         return req.model_copy(update={"messages": _with_placeholders(req.messages)}), images
 
-    async def expand(self, enc: Encoded, images: list, input_tokens: int, limit: int) -> Encoded:
-        """`enc` (the chat with one placeholder per image) expanded by the model's processor."""
+    async def expand(self, enc: Encoded, images: list, input_tokens: int, limit: int,
+                     limit_name: str = "--max-tokens-per-request / max_length") -> Encoded:
+        """`enc` (the chat with one placeholder per image) expanded by the model's processor;
+        `limit`: the most tokens it may then have (`limit_name` says where that comes from)."""
         if len(enc.token_ids) < input_tokens:
             raise TooLarge(f"the chat has more than {limit} tokens before its images are expanded, and a chat "
                            "with images is not truncated (an image cut in part has no meaning)")
@@ -80,7 +82,7 @@ class ChatImages:
                            "(the chat template renders each image part once)")
         if len(ids) > limit:
             raise TooLarge(f"{len(ids)} tokens with the images expanded exceed this request's limit of {limit} "
-                           "(--max-tokens-per-request / max_length); send smaller or fewer images")
+                           f"({limit_name}); send smaller or fewer images")
         media, loss = expand_masks(enc.token_ids, ids, ranges, enc.loss_mask)
         return Encoded(ids, loss, enc.mask_source, media_mask=media, engine_input=engine_input)
 

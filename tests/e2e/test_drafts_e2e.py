@@ -1,18 +1,22 @@
 """Issue 39 end to end: `hsx extract --draft` against real `hsx serve` processes (the shared
 e2e servers: fp32 stories260K, layers 1,2,4,5, N = 5): a draft the served layers do not fit
 is refused before any sample; MTP (speculators) and DSpark (SpecForge) corpora of a layer
-subset are complete, pass `hsx verify`, and load in the trainers' own readers."""
+subset are complete, pass `hsx verify`, and load in the trainers' own readers; a DFlash draft
+trains online from a `--states none` table through the `hsx` backend (docs/online-training.md)."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from _corpus_helpers import specforge_rows
-from _e2e_helpers import assert_verify_ok, extract_argv, run_cli, run_extract
-from _server import CHAT
+from _e2e_helpers import assert_verify_ok, cli_env, extract_argv, run_cli, run_extract
+from _server import CHAT, STORIES
 
 pytestmark = [pytest.mark.engine, pytest.mark.fixtures, pytest.mark.slow]
 
@@ -60,3 +64,31 @@ def test_dspark_corpus_loads_in_specforges_dspark_provider(pool, tmp_path):
     for t in rows.values():
         assert t["hidden_states"].shape[-1] == 64 and t["target_last_hidden_states"].shape[-1] == 64
         assert torch.isfinite(t["target_last_hidden_states"]).all()
+
+
+def test_a_dflash_draft_trains_online_from_a_token_table(pool, tmp_path):
+    """docs/online-training.md, "Other drafts": `--states none --draft dflash` on a layer subset,
+    then speculators' DFlash trained through the wrapper, every row's K + 1 layers fetched from
+    the server (a subset of what it serves: the backend asks for them by id)."""
+    pytest.importorskip("hs_connectors")
+    servers = pool.get(1)
+    data = tmp_path / "dflash"
+    s = run_extract(servers, data, "--format", "speculators", "--draft", "dflash", "--layers", "2,4,5",
+                    "--states", "none", "--draft-vocab-size", "256", *BASE)
+    assert s["status"] == "complete" and s["done"] > 0 and not (data / "hidden_states").exists()
+    assert json.loads((data / "hsx_format.json").read_text())["trainer_layers"]["flag"] == "--target-layer-ids 2 4"
+    argv = [sys.executable, "-m", "hsx_client.training.speculators_train", "--device", "cpu",
+            "--speculator-type", "dflash", "--num-layers", "1", "--block-size", "4",
+            "--verifier-name-or-path", str(STORIES), "--data-path", str(data), "--save-path", str(tmp_path / "ckpt"),
+            "--hidden-states-backend", "hsx", "--hsx-servers", servers[0].url, "--on-missing", "raise",
+            "--total-seq-len", "512", "--num-workers", "0", "--epochs", "1", "--max-steps", "2",
+            "--train-data-ratio", "0.8", "--draft-vocab-size", "256", "--target-layer-ids", "2", "4",
+            "--logger", "", "--log-freq", "1", "--hidden-states-dtype", "float32"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=cli_env())
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    losses = [float(x) for x in re.findall(r"train/loss=([0-9.]+)", log)]
+    # six rows pack into one or two batches of 512 tokens: the epoch ends at its last one
+    assert 1 <= len(losses) <= 2 and all(x == x and x > 0 for x in losses), log[-4000:]
+    assert re.search(r"val/loss_epoch=[0-9.]+", log), log[-4000:]
+    assert (tmp_path / "ckpt" / "0" / "config.json").exists()

@@ -77,7 +77,7 @@ def rows(path: Path) -> list[dict]:
 
 def test_regenerate_then_extract_masks_exactly_the_generated_tokens(servers, chats, tmp_path):
     out, corpus = tmp_path / "regen.jsonl", tmp_path / "speculators"
-    rc, summary, err = run_regen(regen_argv(servers, chats, out, "--extract-to", str(corpus), "--",
+    rc, summary, err = run_regen(regen_argv(servers, chats, out, "--extract-to", str(corpus), "--two-pass", "--",
                                             "--format", "speculators", "--no-shuffle", "--json", "--quiet"))
     assert rc == 0, err[-3000:]
     assert summary["complete"] and summary["failed"] == 0 and summary["regenerated"] == 15

@@ -150,7 +150,8 @@ def _lease_stream(server, ids, steps):
             state = client._pool.servers[0]
             arena = await client._arena_for(state, "rid")
             assert arena is not None, "no lease offer from the test server"
-            stream = await client._post_hidden_states(state, json.dumps({"input_ids": ids}).encode(), "rid", arena)
+            stream = await client._open_states(state, json.dumps({"input_ids": ids}).encode(), "rid", True,
+                                               whole=False, chunk_bytes=1 << 20)
             assert isinstance(stream, LeaseStream)
             try:
                 return await steps(stream)

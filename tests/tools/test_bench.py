@@ -212,3 +212,30 @@ def test_lease_only_profile_reads_a_body_when_no_lease_is_offered(chunk_server, 
     fired = asyncio.run(asyncio.wait_for(_fire(chunk_server.url, [prompt], 1, "none", lease=True), 240))
     states = (WIDE_TOKENS - 8) * 4 * 2048 * 4
     assert fired["n"] == 1 and fired["leased"] == 0 and fired["body"] == states and fired["wire"] > states
+
+
+def test_image_chat_workload_makes_chats_hsx_takes() -> None:
+    """The image-chat workload's chats (tools/bench/image_chat.py): 1 to 3 real images each,
+    of several sizes and both formats, every one within hsx's default media limits."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from hsx_service.media.limits import MediaLimits
+    from hsx_tools.bench.image_chat import make_chats
+
+    chats = make_chats(6, 0)
+    assert make_chats(6, 0) == chats
+    counts, sizes, formats = [], set(), set()
+    for chat in chats:
+        parts = [p for p in chat[1]["content"] if p["type"] == "image_url"]
+        counts.append(len(parts))
+        for p in parts:
+            data = base64.b64decode(p["image_url"]["url"].split(",", 1)[1])
+            im = Image.open(io.BytesIO(data))
+            sizes.add(im.size)
+            formats.add(im.format)
+            assert len(data) < MediaLimits().max_image_bytes and im.size[0] * im.size[1] < MediaLimits().max_image_pixels
+        assert chat[-1]["role"] == "assistant"
+    assert counts == [1, 2, 3, 1, 2, 3] and len(sizes) >= 4 and formats == {"PNG", "JPEG"}

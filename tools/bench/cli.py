@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec-only", action="store_true", help="run the codec measurement only (bench/codec.py)")
     p.add_argument("--transport-only", action="store_true",
                    help="run the HTTP client transport study only (tools/bench/transport.py; its own flags follow)")
+    p.add_argument("--image-chat", action="store_true",
+                   help="the image-chat workload only: hsx's states path vs vLLM's own prefill of the same chats "
+                        "with images (tools/bench/image_chat.py; its own flags follow)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
@@ -130,6 +133,11 @@ def main(argv: list[str]) -> int:
         from hsx_tools.bench.codec import main as codec_main
 
         return codec_main(argv)
+    if "--image-chat" in argv:
+        argv.remove("--image-chat")
+        from hsx_tools.bench.image_chat import main as image_chat_main
+
+        return image_chat_main(argv)
     if "--transport-only" in argv:
         argv.remove("--transport-only")
         from hsx_tools.bench.transport import main as transport_main

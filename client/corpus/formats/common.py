@@ -272,8 +272,10 @@ def check_tokens(decoded: Decoded, ctx: CorpusContext, t: int | None = None) -> 
     return ids, mask, source
 
 
-def make_record(ids: np.ndarray, mask: np.ndarray, source: str, ctx: CorpusContext) -> dict:
-    return {
+def make_record(ids: np.ndarray, mask: np.ndarray, source: str, ctx: CorpusContext, media: Any = None) -> dict:
+    """A sample's manifest record; `media`: the response's media mask (chats with images),
+    recorded as `media_runs` when it marks any token."""
+    record = {
         "num_tokens": int(ids.shape[0]),
         "num_supervised": int(mask.sum()),
         "mask_runs": mask_to_runs(mask),
@@ -283,6 +285,37 @@ def make_record(ids: np.ndarray, mask: np.ndarray, source: str, ctx: CorpusConte
         "dtype": ctx.dtype,
         "mask_source": source,
     }
+    media = check_media(media, mask)
+    if media is not None:
+        record.update(num_media=int(media.sum()), media_runs=mask_to_runs(media))
+    return record
+
+
+def media_facts(records: Any) -> dict:
+    """hsx_format.json's record of a corpus's image tokens (nothing for a text corpus)."""
+    n = sum(int(r.get("num_media", 0)) for r in records)
+    return {"num_media_tokens": n, "media": MEDIA_NOTE} if n else {}
+
+
+# What a corpus with image chats holds, said in its hsx_format.json.
+MEDIA_NOTE = ("token ids include each image's expanded placeholder tokens (the target's image token id), "
+              "their states are the target's; the loss mask never supervises them; the manifest's media_runs "
+              "(and a speculators table's media_mask column) mark them")
+
+
+def check_media(media: Any, mask: np.ndarray) -> np.ndarray | None:
+    """The media mask as int64 0/1 (None: no image token), checked: one entry per token, and
+    no image token supervised (the contract: a draft never learns to predict image tokens)."""
+    if media is None:
+        return None
+    media = np.asarray(media).reshape(-1).astype(np.int64)
+    if media.shape != mask.shape or ((media != 0) & (media != 1)).any():
+        raise CorpusFormatError(f"media_mask must be 0/1 with one entry per token ({mask.shape[0]}), got {media.shape[0]}")
+    if not media.any():
+        return None
+    if (media & mask).any():
+        raise CorpusFormatError(f"{int((media & mask).sum())} image tokens are supervised by the loss mask")
+    return media
 
 
 def record_problems(record: dict, ids: np.ndarray) -> list[str]:
@@ -294,6 +327,12 @@ def record_problems(record: dict, ids: np.ndarray) -> list[str]:
     runs = record.get("mask_runs", [])
     if sum(runs) != record.get("num_tokens"):
         out.append(f"record's loss mask covers {sum(runs)} tokens, not {record.get('num_tokens')}")
+    media = record.get("media_runs")
+    if media is not None:
+        if sum(media) != record.get("num_tokens"):
+            out.append(f"record's media mask covers {sum(media)} tokens, not {record.get('num_tokens')}")
+        elif sum(runs) == sum(media) and (runs_to_mask(runs) & runs_to_mask(media)).any():
+            out.append("the record supervises image tokens (its loss and media masks overlap)")
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 from hsx import dtypes
 from hsx_client.corpus import store
 from hsx_client.corpus.formats.common import (
-    FORMAT_FILE, CorpusContext, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded, check_layout,
+    FORMAT_FILE, CorpusContext, media_facts, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded, check_layout,
     check_tokens, format_json, make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
 from hsx_client.postnorm import apply_final_norm
@@ -98,7 +98,7 @@ class SpecForgeFormat(Eagle3Format):
             obj[last_key] = apply_final_norm(hs[:, -1], ctx.final_norm).contiguous().unsqueeze(0)
         buf = io.BytesIO()
         torch.save(obj, buf)
-        return SampleOutput({self.ckpt_path(index): buf.getvalue()}, make_record(ids, mask, source, ctx))
+        return SampleOutput({self.ckpt_path(index): buf.getvalue()}, make_record(ids, mask, source, ctx, getattr(decoded, "media_mask", None)))
 
     # A sample's file written as its states arrive (hsx_client.corpus.stream_write): a
     # torch.save archive (hsx_client.corpus.torch_zip) of one storage of [T, 4H] rows, each
@@ -149,7 +149,7 @@ class SpecForgeFormat(Eagle3Format):
         files[FORMAT_FILE] = format_json(
             self.name, ctx, num_samples=len(recs), num_tokens=sum(r["num_tokens"] for _, r in recs),
             num_supervised=sum(r["num_supervised"] for _, r in recs), orphans_quarantined=orphans,
-            **self._last_fact(ctx), **self.draft_facts(ctx),
+            **media_facts(r for _, r in recs), **self._last_fact(ctx), **self.draft_facts(ctx),
         )
         for rel, data in files.items():
             store.write_file_atomic(out_dir / rel, data)
@@ -233,7 +233,7 @@ class _StreamedCkpt:
         self._zip.record("data/1", np.ascontiguousarray(ids, dtype="<i8").data)
         self._zip.record("data/2", np.ascontiguousarray(mask, dtype="<i8").data)
         self._zip.close()
-        return make_record(ids, mask, source, self.ctx)
+        return make_record(ids, mask, source, self.ctx, getattr(head, "media_mask", None))
 
     def abort(self) -> None:
         if self._zip is not None:

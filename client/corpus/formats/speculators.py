@@ -15,7 +15,7 @@ import torch
 from hsx import dtypes, wire
 from hsx_client.corpus import store
 from hsx_client.corpus.formats.common import (
-    COMPACTION_JOURNAL, FORMAT_FILE, CorpusContext, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded, check_layout, check_tokens,
+    COMPACTION_JOURNAL, FORMAT_FILE, media_facts, CorpusContext, CorpusFormatError, Eagle3Format, SampleOutput, check_decoded, check_layout, check_tokens,
     format_json, make_record, record_problems, runs_to_mask, sorted_records, state_bytes_per_token,
 )
 from hsx_client.corpus.vocab import count_supervised, speculators_vocab_files
@@ -80,7 +80,7 @@ class SpeculatorsFormat(Eagle3Format):
         hs, ids, mask, source = check_decoded(decoded, ctx)
         ids = np.ascontiguousarray(ids, dtype="<i8")
         parts = sample_file_parts(ctx, [("hidden_states", dtypes.st_code(hs.dtype), hs), ("token_ids", "I64", ids)])
-        return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx))
+        return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx, getattr(decoded, "media_mask", None)))
 
     # A sample's file written as its states arrive (hsx_client.corpus.stream_write): the same
     # bytes as encode_sample's, in file order: the header (from the layout), the states
@@ -99,7 +99,7 @@ class SpeculatorsFormat(Eagle3Format):
         """(the file's last bytes, the sample's record) once the head is known."""
         ids, mask, source = check_tokens(head, ctx, head.shape[0])
         ids = np.ascontiguousarray(ids, dtype="<i8")
-        return [ids.data], make_record(ids, mask, source, ctx)
+        return [ids.data], make_record(ids, mask, source, ctx, getattr(head, "media_mask", None))
 
     def prepare(self) -> None:
         import datasets  # noqa: F401  (finalize's table; ~1 s to import, done before the run)
@@ -153,12 +153,14 @@ class SpeculatorsFormat(Eagle3Format):
 
         tmp = store.temp_dir(out_dir, "hsx_finalize")  # cleaned by the next run after a crash
         try:
+            media = any("media_runs" in r for r in rows.values())  # image chats: a media_mask column too
             feats = datasets.Features({
                 "input_ids": datasets.Sequence(datasets.Value("int64")),
                 "loss_mask": datasets.Sequence(datasets.Value("int64")),
                 "seq_len": datasets.Value("int64"),
+                **({"media_mask": datasets.Sequence(datasets.Value("int64"))} if media else {}),
             })
-            freq = self._write_table(out_dir, rows, ctx, ArrowWriter(features=feats, path=str(tmp / "table.arrow")))
+            freq = self._write_table(out_dir, rows, ctx, ArrowWriter(features=feats, path=str(tmp / "table.arrow")), media)
             ds = datasets.Dataset.from_file(str(tmp / "table.arrow"))
             ds.set_format("torch")
             ds.save_to_disk(str(tmp / "table"))
@@ -171,6 +173,7 @@ class SpeculatorsFormat(Eagle3Format):
         extra[FORMAT_FILE] = format_json(
             self.name, ctx, **self.format_facts, **self.draft_facts(ctx), num_samples=len(rows), num_tokens=sum(r["num_tokens"] for r in rows.values()),
             num_supervised=sum(r["num_supervised"] for r in rows.values()),
+            **media_facts(rows.values()),
             compacted_moves=len(moves), compaction_journal=COMPACTION_JOURNAL if moves else None,
         )
         for rel, data in extra.items():
@@ -180,7 +183,7 @@ class SpeculatorsFormat(Eagle3Format):
             written.append(COMPACTION_JOURNAL)
         return written
 
-    def _write_table(self, out_dir: Path, rows: dict[int, dict], ctx: CorpusContext, writer) -> Counter:
+    def _write_table(self, out_dir: Path, rows: dict[int, dict], ctx: CorpusContext, writer, media: bool = False) -> Counter:
         """Rows 0..m-1 into `writer`, columnar in batches (per-row Python lists took
         ~1.4 ms a row at 2048 tokens, about a sixth of the time an H200 takes to make one).
         Token ids come back from each sample's file, so the table cannot disagree with
@@ -192,7 +195,7 @@ class SpeculatorsFormat(Eagle3Format):
         dense = np.zeros(int(ctx.vocab_size), dtype=np.int64) if ctx.vocab_size else None
         with writer as w:
             for start in range(0, len(rows), _TABLE_BATCH):
-                ids_b, mask_b = [], []
+                ids_b, mask_b, media_b = [], [], []
                 for p in range(start, min(len(rows), start + _TABLE_BATCH)):
                     ids = self._read_ids(out_dir, p).astype(np.int64, copy=False)
                     probs = record_problems(rows[p], ids)
@@ -200,6 +203,9 @@ class SpeculatorsFormat(Eagle3Format):
                         raise CorpusFormatError(f"{self.hs_path(p)}: " + "; ".join(probs))
                     ids_b.append(ids)
                     mask_b.append(runs_to_mask(rows[p]["mask_runs"]))
+                    if media:
+                        runs = rows[p].get("media_runs")
+                        media_b.append(runs_to_mask(runs) if runs else np.zeros(len(ids), np.int64))
                 flat_ids, flat_mask = np.concatenate(ids_b), np.concatenate(mask_b)
                 if dense is not None and (flat_ids.size == 0 or 0 <= flat_ids.min() and flat_ids.max() < dense.size):
                     dense += np.bincount(flat_ids[flat_mask.astype(bool)], minlength=dense.size)
@@ -207,11 +213,14 @@ class SpeculatorsFormat(Eagle3Format):
                     count_supervised(freq, flat_ids, flat_mask)
                 lens = np.array([len(x) for x in ids_b], dtype=np.int64)
                 offsets = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
-                w.write_table(pa.table({
+                columns = {
                     "input_ids": pa.ListArray.from_arrays(offsets, pa.array(flat_ids)),
                     "loss_mask": pa.ListArray.from_arrays(offsets, pa.array(flat_mask)),
                     "seq_len": pa.array(lens),
-                }))
+                }
+                if media:
+                    columns["media_mask"] = pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(media_b)))
+                w.write_table(pa.table(columns))
             w.finalize()
         if dense is not None:
             nz = np.flatnonzero(dense)

@@ -108,7 +108,7 @@ class SpeculatorsTokensFormat(SpeculatorsFormat):
         ids, mask, source = check_tokens(decoded, ctx)
         ids = np.ascontiguousarray(ids, dtype="<i8")
         parts = sample_file_parts(ctx, [("token_ids", "I64", ids)])
-        return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx))
+        return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx, getattr(decoded, "media_mask", None)))
 
     def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]:
         return verify_layout(out_dir, self.hs_path(index), record, {"token_ids": ([record.get("num_tokens")], "I64")})
@@ -126,11 +126,12 @@ class TokensResponse:
 
     def decode(self) -> wire.Decoded:
         ids = np.asarray(self.out["token_ids"], dtype=np.int64)
-        mask = self.out.get("loss_mask")
+        mask, media = self.out.get("loss_mask"), self.out.get("media_mask")
         meta = {"layer_ids": json.dumps(self.out.get("layer_ids", [])), "model": str(self.out.get("model", "")),
                 "num_input_tokens": self.out.get("num_input_tokens")}  # the run counts what was cut
         return wire.Decoded(hidden_states=None, token_ids=ids,
-                            loss_mask=None if mask is None else np.asarray(mask, dtype=np.uint8), metadata=meta)
+                            loss_mask=None if mask is None else np.asarray(mask, dtype=np.uint8), metadata=meta,
+                            media_mask=None if media is None else np.asarray(media, dtype=np.uint8))
 
 
 class SpeculatorsFp8Format(SpeculatorsFormat):
@@ -157,7 +158,7 @@ class SpeculatorsFp8Format(SpeculatorsFormat):
         ids = np.ascontiguousarray(ids, dtype="<i8")
         parts = sample_file_parts(ctx, [("hidden_states", "F8_E4M3", q), (SCALES_KEY, "F32", scale),
                                                 ("token_ids", "I64", ids)])
-        return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx))
+        return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx, getattr(decoded, "media_mask", None)))
 
     def stream_open(self, index: int, layout, ctx: CorpusContext) -> _StreamedFp8:
         return _StreamedFp8(self, index, layout, ctx)
@@ -217,7 +218,7 @@ class _StreamedFp8:
         self._write(self._scales.data)
         self._write(ids.data)
         self._fp32 = self._fp8 = None
-        return make_record(ids, mask, source, self.ctx)
+        return make_record(ids, mask, source, self.ctx, getattr(head, "media_mask", None))
 
     def abort(self) -> None:
         """The sample is given up (store_stream removes its file): its buffers go."""

@@ -234,3 +234,11 @@ def test_specforge_dflash_family_cannot_name_the_embeddings():
     msg = drafts.layer_problem("dflash", "specforge", [0, 3], 5, [0, 1, 2, 3, 4, 5])
     assert "ids of 1 or more" in msg and "pass --layers 3 " in msg
     assert drafts.layer_problem("dflash", "speculators", [0, 1, 2, 5], 5, []) is None  # speculators names id 0
+
+
+def test_an_eagle3_run_on_a_server_capturing_five_layers_is_refused_before_any_sample(tmp_path, data):
+    """The issue's example: the default draft, all five served layers taken, refused at once."""
+    out = tmp_path / "out"
+    srv = InfoServer(layer_ids=[1, 2, 3, 4, 5], num_hidden_layers=5)
+    r = _run(cfg_for(data, out, format="speculators"), srv)
+    refused_and_untouched(r, out, srv, r"--draft eagle3.*--layers")

@@ -221,6 +221,22 @@ def test_disk_refusal_and_force(tmp_path, data, monkeypatch):
     assert run(cfg_for(data, out, force_disk=True), fmt, srv).exit_code == 0
 
 
+def test_malformed_bodies_fail_their_samples_without_the_5xx_breaker(tmp_path, data):
+    """A body cut short on every attempt fails its sample (retried by the next run) but is
+    no engine failure: more such samples in a row than the 5xx breaker allows do not stop the run."""
+    out = tmp_path / "out"
+    fmt, srv = FakeFormat(), FakeServer()
+    srv.malformed = True
+    r = run(cfg_for(data, out, max_attempts=1), fmt, srv)
+    assert r.summary["failed"] == N and "stopped" not in r.summary["message"]  # every sample tried
+    failed, _, _ = journal.read_jsonl(out / store.FAILED_NAME)
+    assert len(failed) == N > 10 and {(f["kind"], f["type"], f["status"]) for f in failed} == {
+        ("server_error", "bad_response", None)}
+    srv.malformed = False
+    r = run(cfg_for(data, out), fmt, srv)
+    assert r.exit_code == 0 and r.summary["done"] == N
+
+
 def test_servers_down_stops_resumable(tmp_path, data):
     out = tmp_path / "out"
     fmt, srv = FakeFormat(), FakeServer()

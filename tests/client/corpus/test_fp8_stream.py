@@ -21,7 +21,7 @@ from hsx_client.corpus import store
 from hsx_client.corpus.formats import CorpusContext, CorpusFormatError, get_format
 from hsx_client.corpus.formats import speculators_variants
 from hsx_client.corpus.stream_write import store_stream
-from hsx_client.sample_stream import BodyParser
+from hsx_client.body_parser import BodyParser
 from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, DecodedStream, make_decoded, store_files
 
 REPO = Path(__file__).resolve().parents[3]

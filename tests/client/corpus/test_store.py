@@ -196,11 +196,13 @@ def test_lock_released_when_process_dies(tmp_path):
 
 
 def test_disk_space_refusal(tmp_path, monkeypatch):
+    from hsx_client.corpus import disk_estimate as disk
+
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(store.shutil, "disk_usage", lambda p: Usage(10**12, 0, 10**9))
-    with pytest.raises(store.InsufficientDiskError) as ei:
-        store.check_disk_space(tmp_path / "new" / "dir", 2 * 10**9)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda p: Usage(10**12, 0, 10**9))
+    with pytest.raises(disk.InsufficientDiskError) as ei:
+        disk.check_disk_space(tmp_path / "new" / "dir", 2 * 10**9)
     assert "--force-disk" in str(ei.value) and "2.3 GB" in str(ei.value)
-    est = store.check_disk_space(tmp_path, 2 * 10**9, force=True)
+    est = disk.check_disk_space(tmp_path, 2 * 10**9, force=True)
     assert not est.ok
-    assert store.check_disk_space(tmp_path, 10**8).ok
+    assert disk.check_disk_space(tmp_path, 10**8).ok

@@ -16,7 +16,7 @@ from hsx_client.byte_budget import ByteBudget, stream_chunk_bytes
 from hsx_client.corpus import store
 from hsx_client.corpus.formats import CorpusContext, CorpusFormatError, SpeculatorsFormat
 from hsx_client.corpus.stream_write import StreamDropped, store_stream
-from hsx_client.sample_stream import BodyParser
+from hsx_client.body_parser import BodyParser
 from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, make_decoded
 
 CTX = CorpusContext(layer_ids=LAYER_IDS, hidden_size=HIDDEN, dtype="bfloat16", final_norm=None,

@@ -22,6 +22,7 @@ from hsx_client.errors import (
     BadRequestError,
     ConnectionFailedError,
     PayloadTooLargeError,
+    ResponseValidationError,
     RetriesExhaustedError,
     ServersUnreachableError,
     ServerError,
@@ -260,6 +261,35 @@ async def test_500_bounded_retries():
     assert n == 3
     assert isinstance(ei.value.last_error, ServerError)
     assert ei.value.last_error.type == "engine_error"
+
+
+async def test_a_malformed_body_is_its_own_error_not_a_server_or_connection_error():
+    """Retried up to max_attempts, not cut at max_server_errors (no engine failed), and
+    neither a ServerError nor a ConnectionFailedError; the stream path raises it too."""
+    n = 0
+
+    def handler(request):
+        nonlocal n
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        n += 1
+        r = ok_response(request, zstd=False)
+        return httpx.Response(200, content=r.content[:-5], headers={"Content-Type": wire.MEDIA_TYPE})
+
+    async with fast_client(["http://a"], httpx.MockTransport(handler), max_attempts=4, max_server_errors=2,
+                           unhealthy_cooldown=0.01) as c:
+        with pytest.raises(RetriesExhaustedError) as ei:
+            await c.hidden_states(input_ids=[1, 2])
+        last = ei.value.last_error
+        assert n == 4 and isinstance(last, ResponseValidationError) and last.type == "bad_response"
+        assert not isinstance(last, (ServerError, ConnectionFailedError)) and last.server == "http://a"
+        stream = await c.hidden_states_stream({"input_ids": [1, 2]})
+        try:
+            with pytest.raises(ResponseValidationError, match="truncated"):
+                async for _ in stream.chunks():
+                    pass
+        finally:
+            await stream.aclose()
 
 
 async def test_unhealthy_server_probed_then_reused():

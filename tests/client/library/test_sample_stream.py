@@ -16,7 +16,8 @@ import zstandard
 from hsx import wire
 from hsx_client.api import HsxClient
 from hsx_client.errors import HsxError
-from hsx_client.sample_stream import BodyParser, StreamError, states_layout
+from hsx_client.body_parser import BodyParser
+from hsx_client.sample_stream import StreamError, states_layout
 from _wire_bodies import make_body
 
 

