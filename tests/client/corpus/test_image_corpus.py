@@ -18,7 +18,7 @@ from hsx import wire
 from hsx_client.corpus.formats import CorpusContext, CorpusFormatError, get_format, runs_to_mask
 from hsx_client.corpus.formats.common import record_problems
 from hsx_client.corpus.stream_write import store_stream
-from hsx_client.sample_stream import BodyParser
+from hsx_client.body_parser import BodyParser
 from hsx_client.postnorm import FinalNorm
 from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, DecodedStream, make_decoded, specforge_rows, write_samples
 
