@@ -180,10 +180,37 @@ def make_tiny_model(
     `config_overrides` sets config fields after the family's defaults (e.g. n_routed_experts).
     `weights=False` writes the config and tokenizer only, for vLLM's `--load-format dummy`: a
     model the size of a real one (a benchmark's shape) without writing its weights."""
-    import torch
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _family_tokenizer(out, family, vocab_size)
+    config, model_cls = _config(
+        family, tokenizer, num_layers=num_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings, mla=mla,
+    )
+    for key, value in (config_overrides or {}).items():
+        if not hasattr(config, key):
+            raise ValueError(f"{family} config has no field {key!r}")
+        setattr(config, key, value)
+    if weights:
+        _write_random_weights(out, family, config, model_cls, dtype, seed)
+    else:
+        config.architectures = [model_cls.__name__]  # save_pretrained of a model would write it
+        config.save_pretrained(out)
+    if family == "kimi_k25":
+        if weights:
+            _kimi_checkpoint_layout(out)
+        _write_kimi_media_config(out)
+    if family == "qwen2_5_vl":
+        from hsx_tools.tiny_vlm import write_qwen_vl_processor
+
+        write_qwen_vl_processor(out)
+    _finish_config(out, family, dtype)
+    return out
+
+
+def _family_tokenizer(out: Path, family: str, vocab_size: int):
+    """The tiny tokenizer, with what a vision family's processor looks up in it."""
     tokenizer = make_tokenizer(out, vocab_size=min(vocab_size, 1024))
     if family == "kimi_k25":  # Kimi-K2.5's media markers, which vLLM's processor looks up by name
         from hsx_tools.tiny_vlm import KIMI_CHAT_TEMPLATE
@@ -195,26 +222,12 @@ def make_tiny_model(
         from hsx_tools.tiny_vlm import qwen_vl_tokenizer
 
         tokenizer = qwen_vl_tokenizer(tokenizer, out)
-    config, model_cls = _config(
-        family, tokenizer, num_layers=num_layers, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings, mla=mla,
-    )
-    for key, value in (config_overrides or {}).items():
-        if not hasattr(config, key):
-            raise ValueError(f"{family} config has no field {key!r}")
-        setattr(config, key, value)
-    if not weights:
-        config.architectures = [model_cls.__name__]  # save_pretrained of a model would write it
-        config.save_pretrained(out)
-        if family == "kimi_k25":
-            _write_kimi_media_config(out)
-        if family == "qwen2_5_vl":
-            from hsx_tools.tiny_vlm import write_qwen_vl_processor
+    return tokenizer
 
-            write_qwen_vl_processor(out)
-        _finish_config(out, family, dtype)
-        return out
+
+def _write_random_weights(out: Path, family: str, config, model_cls, dtype: str, seed: int) -> None:
+    import torch
+
     torch.manual_seed(seed)
     model = model_cls(config).to(getattr(torch, dtype))
     with torch.no_grad():
@@ -232,15 +245,6 @@ def make_tiny_model(
                 if name.endswith("e_score_correction_bias"):
                     b.add_(torch.randn_like(b) * 0.1)
     model.save_pretrained(out, safe_serialization=True)
-    if family == "kimi_k25":
-        _kimi_checkpoint_layout(out)
-        _write_kimi_media_config(out)
-    if family == "qwen2_5_vl":
-        from hsx_tools.tiny_vlm import write_qwen_vl_processor
-
-        write_qwen_vl_processor(out)
-    _finish_config(out, family, dtype)
-    return out
 
 
 # transformers' save of Kimi-K2.5 reverses its load-time renames only in part (its reverse of

@@ -48,7 +48,9 @@ from hsx_client.corpus import disk_estimate, journal, merged, store
 from hsx_client.api import HsxClient
 from hsx_client.errors import AuthenticationError, HsxError, RetriesExhaustedError, ServersUnreachableError
 from hsx_client.corpus.plan import ConfigError
-from hsx_client.corpus.preflight import check_chat_template, preflight, token_ratio, wants_final_norm
+from hsx_client.corpus.preflight import (
+    check_chat_template, preflight, servers_agree, token_ratio, wants_final_norm,
+)
 from hsx_client.corpus.progress import Progress, format_summary, reason_counts
 from hsx_client.corpus.provenance import finalize
 from hsx_client.corpus.settings import PLAN_KEYS, CorpusSettings
@@ -189,7 +191,7 @@ class Extractor:
 
         async with self._client() as client:
             info = await client.info()
-            infos = await self._check_servers_agree(client, info)
+            infos = await servers_agree(client, info, self._notes)
             settings.layers = planning.served_layers(settings.layers, info)
             if plan is None and settings.max_length is None:  # the servers' limit, recorded in the plan
                 settings.max_length = planning.servers_max_tokens(infos.values())
@@ -422,24 +424,6 @@ class Extractor:
                 f"in {out / store.FAILED_NAME}); fix the cause and rerun with --retry-failed to add them"))
             return ExtractResult(ExitCode.FAILED, "complete_with_failures", summary)
         return ExtractResult(ExitCode.OK, "complete", summary)
-
-    async def _check_servers_agree(self, client: HsxClient, info: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """Every answering server's /info (a server that never answers is set aside and
-        named in a note; one that is loading is the loop's business)."""
-        infos = await client.server_infos()
-        for url in client.servers:
-            if url not in infos:
-                self._notes.append(f"warning: {url} did not answer /info ({client.stats()[url]['last_error']}); "
-                                   "going on with the others")
-        keys = ("model", "model_revision", "layer_ids", "hidden_size", "dtype")
-        for url, other in infos.items():
-            diffs = [k for k in keys if other.get(k) != info.get(k)]
-            if diffs:
-                raise ConfigError(
-                    f"{url} serves something else than {client.servers[0]}: "
-                    + ", ".join(f"{k}={other.get(k)!r} vs {info.get(k)!r}" for k in diffs)
-                )
-        return infos or {client.servers[0]: info}
 
 
 def _silence_progress_bars() -> None:

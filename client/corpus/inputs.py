@@ -50,13 +50,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hsx_client.corpus import images
 from hsx_client.corpus.recorded import recorded_samples
 from hsx_client.corpus.rows import NO_ASSISTANT, QUESTION_ONLY, BadRow, RowProblem, Sample
+from hsx_client.corpus.sources import open_source
 
 MASK_POLICIES = ("per_turn", "all_turns")
 
@@ -64,123 +65,6 @@ _USER_ROLES = {"human": "user", "user": "user"}
 _ASSISTANT_ROLES = {"gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                     "bard": "assistant", "bing": "assistant", "model": "assistant"}
 _OPENAI_ROLES = {"system", "developer", "user", "assistant", "tool", "function", "ipython"}
-
-
-# ----------------------------------------------------------------------------- sources
-
-
-class _RowError(str):
-    """An error text for a row, with its BadRow kind."""
-
-    kind = "invalid_json"
-
-
-def _row_error(text: str, kind: str) -> _RowError:
-    e = _RowError(text)
-    e.kind = kind
-    return e
-
-
-def _iter_json_file(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    """Yield (n, row, error) for a .json or .jsonl file. A line that is not UTF-8 costs
-    that line only (JSON Lines); a .json array must decode as a whole."""
-    data = path.read_bytes()
-    if path.suffix.lower() == ".json":
-        try:
-            text = data.decode("utf-8")
-            rows_or_err: Any = json.loads(text)
-        except UnicodeDecodeError as exc:
-            rows_or_err = exc
-        except json.JSONDecodeError as exc:
-            rows_or_err = exc
-        if isinstance(rows_or_err, UnicodeDecodeError):
-            if b"\n{" not in data:  # one JSON document: it cannot be split into rows
-                yield 1, None, _row_error(f"file is not UTF-8 (byte {rows_or_err.start})", "not_utf8")
-                return
-        elif isinstance(rows_or_err, json.JSONDecodeError):
-            if rows_or_err.msg != "Extra data":  # not JSON Lines either
-                yield 1, None, _row_error(f"file is not valid JSON: {rows_or_err}", "invalid_json")
-                return
-        else:
-            rows = rows_or_err if isinstance(rows_or_err, list) else [rows_or_err]
-            for i, row in enumerate(rows, 1):
-                yield i, row, None
-            return
-    for i, raw in enumerate(data.split(b"\n"), 1):
-        if not raw.strip():
-            continue
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            yield i, None, _row_error(f"line is not UTF-8 (byte {exc.start} of the line)", "not_utf8")
-            continue
-        try:
-            yield i, json.loads(line), None
-        except json.JSONDecodeError as exc:
-            yield i, None, _row_error(f"invalid JSON line: {exc.msg} at column {exc.colno}", "invalid_json")
-
-
-def _pick_split(ds: Any, where: str, split: str | None) -> Any:
-    import datasets
-
-    if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
-        if split is not None:
-            if split not in ds:
-                raise ValueError(f"{where}: no split {split!r} (splits: {sorted(ds)})")
-            return ds[split]
-        if "train" in ds:
-            return ds["train"]
-        if len(ds) == 1:
-            return next(iter(ds.values()))
-        raise ValueError(f"{where}: several splits {sorted(ds)} and none is 'train'")
-    return ds
-
-
-def _iter_hf(ds: Any) -> Iterator[tuple[int, Any, str | None]]:
-    if hasattr(ds, "with_format"):
-        ds = ds.with_format(None)  # plain python values, even for torch-formatted sets
-    ds = images.undecoded(ds)
-    for i, row in enumerate(ds, 1):
-        yield i, row, None
-
-
-def open_source(spec: str) -> tuple[str, Iterator[tuple[int, Any, str | None]]]:
-    """Return (name, row iterator) for one input spec; missing inputs raise."""
-    if spec.startswith("hf:"):
-        rest = spec[3:]
-        name, _, split = rest.partition(":")
-        if not name:
-            raise ValueError(f"empty hub dataset id in {spec!r}")
-        import datasets
-
-        try:
-            ds = datasets.load_dataset(name, split=split or "train")
-        except Exception as exc:  # network, auth, unknown id ...
-            raise RuntimeError(
-                f"cannot load Hugging Face hub dataset {name!r} (split {split or 'train'!r}): "
-                f"{type(exc).__name__}: {exc}. If the hub is not reachable from here, download "
-                f"the dataset elsewhere, `save_to_disk` it and pass the directory."
-            ) from exc
-        return spec, _iter_hf(ds)
-
-    path = Path(spec)
-    if not path.exists():
-        raise FileNotFoundError(f"input not found: {spec}")
-    if path.is_dir():
-        import datasets
-
-        if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
-            ds = datasets.load_from_disk(str(path))
-        else:
-            try:
-                ds = datasets.load_dataset(str(path))
-            except Exception as exc:
-                raise ValueError(
-                    f"{spec}: directory is neither a `save_to_disk` dataset nor loadable by "
-                    f"`datasets.load_dataset`: {type(exc).__name__}: {exc}"
-                ) from exc
-        return path.name, _iter_hf(_pick_split(ds, spec, None))
-    return path.name, _iter_json_file(path)
 
 
 # ----------------------------------------------------------------------------- row kinds
@@ -360,6 +244,44 @@ def row_kind(row: Any) -> str:
 # ----------------------------------------------------------------------------- planning
 
 
+def _join_mtbench(answers: list[tuple[str, int, str, dict]], questions: dict[Any, list[str]],
+                  q_sources: dict[Any, str], mask_policy: str, samples: list[Sample], bad: list[BadRow],
+                  max_samples: int | None) -> None:
+    """MT-Bench answer rows joined to their questions (read from every input first) as chats;
+    a question no answer used has no assistant turn to supervise: a BadRow."""
+    q_used: set = set()
+
+    def full() -> bool:
+        return max_samples is not None and len(samples) >= max_samples
+
+    for name, n, source, row in answers:
+        if full():
+            break
+        try:
+            qid = row["question_id"]
+            choices = row["choices"]
+            if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+                raise RowProblem("MT-Bench 'choices' must be a non-empty list of objects")
+            replies = choices[0].get("turns")
+            if not isinstance(replies, list) or not replies or not all(isinstance(t, str) for t in replies):
+                raise RowProblem("MT-Bench answer 'turns' must be a non-empty list of strings")
+            if qid not in questions:
+                raise RowProblem(f"MT-Bench answer for question_id {qid!r} without its question "
+                           f"(pass question.jsonl among the inputs)")
+            q_used.add(qid)
+            msgs: list[dict] = []
+            for q, a in zip(questions[qid], replies):
+                msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            new = _chat_samples(name, n, source, msgs, None, mask_policy)
+            samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
+        except RowProblem as exc:
+            bad.append(BadRow(source, str(exc), exc.kind))
+    for qid, src in q_sources.items():
+        if qid not in q_used and not full():  # (when stopped early, unused is not unusable)
+            bad.append(BadRow(src, "MT-Bench question with user turns only and no answer row "
+                                   "(no assistant turn to supervise)", QUESTION_ONLY))
+
+
 def read_samples(
     paths: list[str],
     *,
@@ -381,7 +303,6 @@ def read_samples(
     # MT-Bench questions are held until all files are read, answers joined afterwards.
     questions: dict[Any, list[str]] = {}
     q_sources: dict[Any, str] = {}
-    q_used: set = set()
     answers: list[tuple[str, int, str, dict]] = []
 
     samples: list[Sample] = []
@@ -431,30 +352,5 @@ def read_samples(
             except RowProblem as exc:
                 bad.append(BadRow(source, str(exc), exc.kind))
 
-    for name, n, source, row in answers:
-        if full():
-            break
-        try:
-            qid = row["question_id"]
-            choices = row["choices"]
-            if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-                raise RowProblem("MT-Bench 'choices' must be a non-empty list of objects")
-            replies = choices[0].get("turns")
-            if not isinstance(replies, list) or not replies or not all(isinstance(t, str) for t in replies):
-                raise RowProblem("MT-Bench answer 'turns' must be a non-empty list of strings")
-            if qid not in questions:
-                raise RowProblem(f"MT-Bench answer for question_id {qid!r} without its question "
-                           f"(pass question.jsonl among the inputs)")
-            q_used.add(qid)
-            msgs: list[dict] = []
-            for q, a in zip(questions[qid], replies):
-                msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-            new = _chat_samples(name, n, source, msgs, None, mask_policy)
-            samples.extend(new[: max_samples - len(samples)] if max_samples is not None else new)
-        except RowProblem as exc:
-            bad.append(BadRow(source, str(exc), exc.kind))
-    for qid, src in q_sources.items():
-        if qid not in q_used and not full():  # (when stopped early, unused is not unusable)
-            bad.append(BadRow(src, "MT-Bench question with user turns only and no answer row "
-                                   "(no assistant turn to supervise)", QUESTION_ONLY))
+    _join_mtbench(answers, questions, q_sources, mask_policy, samples, bad, max_samples)
     return samples

@@ -108,3 +108,23 @@ def check_chat_template(samples: planning.Samples, infos: dict[str, dict[str, An
             f"{chats} planned sample(s) are chats and {', '.join(bare)} has no chat template (the model ships "
             "none): restart hsx serve with --chat-template FILE"
         )
+
+
+async def servers_agree(client: HsxClient, info: dict[str, Any], notes: list[str]) -> dict[str, dict[str, Any]]:
+    """Every answering server's /info, which must serve what the first one does (ConfigError
+    naming the difference); a server that never answers is set aside and named in `notes`
+    (one that is loading is the run loop's business)."""
+    infos = await client.server_infos()
+    for url in client.servers:
+        if url not in infos:
+            notes.append(f"warning: {url} did not answer /info ({client.stats()[url]['last_error']}); "
+                         "going on with the others")
+    keys = ("model", "model_revision", "layer_ids", "hidden_size", "dtype")
+    for url, other in infos.items():
+        diffs = [k for k in keys if other.get(k) != info.get(k)]
+        if diffs:
+            raise ConfigError(
+                f"{url} serves something else than {client.servers[0]}: "
+                + ", ".join(f"{k}={other.get(k)!r} vs {info.get(k)!r}" for k in diffs)
+            )
+    return infos or {client.servers[0]: info}

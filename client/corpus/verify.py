@@ -154,32 +154,7 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
         missing = [i for i in range(n) if i not in done and i not in failed]
         if missing:
             problems.append(f"{len(missing)} planned sample(s) not extracted yet (first: {missing[:10]})")
-        corpus_path = out / store.CORPUS_NAME
-        if not corpus_path.exists():
-            problems.append(f"no {store.CORPUS_NAME}: the run was not finalized"
-                            + (" (a renumbering was interrupted)" if (out / store.COMPACTION_JOURNAL).exists() else "")
-                            + "; rerun the same `hsx extract` command to finish it")
-        else:
-            corpus = json.loads(corpus_path.read_text())
-            counts = corpus.get("counts", {})
-            recorded = counts.get("failed", 0) + counts.get("dropped", 0)
-            if counts.get("planned") != n or counts.get("done") != len(done) or recorded != len(failed):
-                problems.append(
-                    f"{store.CORPUS_NAME} counts {counts.get('planned')}/{counts.get('done')}/{recorded} "
-                    f"(planned/done/not stored) do not match the manifest {n}/{len(done)}/{len(failed)}"
-                )
-            for rel, meta in (corpus.get("finalize_files") or {}).items():
-                algo, want = store.recorded_digest(meta) or (store.HASH_ALGO, None)
-                try:
-                    size, digest = store.hash_file(store.inside(out, rel), algo=algo)
-                except store.UnsafePathError as exc:
-                    problems.append(f"{store.CORPUS_NAME} names a finalize output {exc}")
-                    continue
-                except FileNotFoundError:
-                    problems.append(f"finalize output {rel} is missing")
-                    continue
-                if size != meta.get("size") or digest != want:
-                    problems.append(f"finalize output {rel} changed since finalize (size/checksum)")
+        problems += _corpus_record_problems(out, n, len(done), len(failed))
         if merge:  # the shards' counts, as the merge recorded them
             failures, dropped, of_merge = _merged_counts(out, merge)
             of_merge["shards_sharing_bad_files"] = _linked_shards(out, bad, done)
@@ -204,6 +179,39 @@ def verify_corpus(out: Path, get_format: Callable[[str], Any] | None = None, *, 
             vpath.unlink()
             store.fsync_dir(out)
         return report
+
+
+def _corpus_record_problems(out: Path, n: int, done: int, not_stored: int) -> list[str]:
+    """corpus.json against the manifest (counts) and the finalize outputs against their
+    recorded checksums."""
+    problems: list[str] = []
+    corpus_path = out / store.CORPUS_NAME
+    if not corpus_path.exists():
+        problems.append(f"no {store.CORPUS_NAME}: the run was not finalized"
+                        + (" (a renumbering was interrupted)" if (out / store.COMPACTION_JOURNAL).exists() else "")
+                        + "; rerun the same `hsx extract` command to finish it")
+    else:
+        corpus = json.loads(corpus_path.read_text())
+        counts = corpus.get("counts", {})
+        recorded = counts.get("failed", 0) + counts.get("dropped", 0)
+        if counts.get("planned") != n or counts.get("done") != done or recorded != not_stored:
+            problems.append(
+                f"{store.CORPUS_NAME} counts {counts.get('planned')}/{counts.get('done')}/{recorded} "
+                f"(planned/done/not stored) do not match the manifest {n}/{done}/{not_stored}"
+            )
+        for rel, meta in (corpus.get("finalize_files") or {}).items():
+            algo, want = store.recorded_digest(meta) or (store.HASH_ALGO, None)
+            try:
+                size, digest = store.hash_file(store.inside(out, rel), algo=algo)
+            except store.UnsafePathError as exc:
+                problems.append(f"{store.CORPUS_NAME} names a finalize output {exc}")
+                continue
+            except FileNotFoundError:
+                problems.append(f"finalize output {rel} is missing")
+                continue
+            if size != meta.get("size") or digest != want:
+                problems.append(f"finalize output {rel} changed since finalize (size/checksum)")
+    return problems
 
 
 def _merged_counts(out: Path, merge: dict[str, Any]) -> tuple[list[int], list[int], dict[str, Any]]:

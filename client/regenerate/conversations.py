@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsx_client.corpus import images
-from hsx_client.corpus.inputs import CHAT_READERS, chat_messages, open_source, row_kind
+from hsx_client.corpus.inputs import CHAT_READERS, chat_messages, row_kind
+from hsx_client.corpus.sources import open_source
 from hsx_client.corpus.rows import BadRow, RowProblem
 
 

@@ -178,21 +178,47 @@ async def _max_tokens_past_context(client: HsxClient, settings: list[Sampling]) 
             "it out (each turn then gets the room left); nothing was generated or locked")
 
 
+@dataclass
+class _Tally:
+    """What one run did, for its summary: the conversations stored and how they ended, the
+    failures by reason with an example of each."""
+
+    failures: Counter[str] = field(default_factory=Counter)
+    errors: dict[str, str] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)  # reason -> its first conversation's key and message
+    stats: dict[str, Any] = field(default_factory=lambda: {
+        "conversations": 0, "generated_tokens": 0, "turns": 0, "length_cut_turns": 0, "dropped": 0,
+        "ended": Counter(), "variants": Counter()})
+
+    def failed(self, key: str, exc: BaseException) -> None:
+        reason = images.MISSING_IMAGE if isinstance(exc, images.ImageFileError) else exc.type or type(exc).__name__
+        self.failures[reason] += 1
+        self.errors.setdefault(key, str(exc))
+        self.examples.setdefault(reason, f"{key}: {getattr(exc, 'message', exc)}")
+
+    def stored(self, out: Any, variant: Any) -> None:
+        stats = self.stats
+        if variant is not None:
+            stats["variants"][variant.name] += 1
+        stats["conversations"] += 1
+        stats["turns"] += len(out.turns)
+        stats["generated_tokens"] += out.generated_tokens
+        stats["length_cut_turns"] += sum(t["finish_reason"] == "length" for t in out.turns)
+        stats["ended"][out.ended] += 1
+
+    def failure_fields(self) -> dict[str, Any]:
+        return {"failed": sum(self.failures.values()), "failed_by_reason": dict(self.failures),
+                "failed_examples": dict(list(self.errors.items())[:5]),
+                "failed_example_by_reason": self.examples}
+
+
 async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Journal,
                bad: list[BadRow]) -> RegenResult:
     todo = [c for c in conversations if c.key not in journal.done]
-    failures: Counter[str] = Counter()
-    errors: dict[str, str] = {}
-    examples: dict[str, str] = {}  # failure reason -> its first conversation's key and message
-    stats = {"conversations": 0, "generated_tokens": 0, "turns": 0, "length_cut_turns": 0, "dropped": 0,
-             "ended": Counter(), "variants": Counter()}
+    tally = _Tally()
     refused: list[BaseException] = []
     started = time.monotonic()
-    bar = None
-    if not cfg.quiet and todo:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(todo), unit="conv", desc="regenerate", dynamic_ncols=True, smoothing=0.05)
+    bar = _progress_bar(len(todo)) if not cfg.quiet and todo else None
     client = HsxClient.from_settings(cfg.client, transport=cfg.transport)
     info = await _server_info(client)
     slots = asyncio.Semaphore(cfg.client.concurrency_per_server * len(client.servers))
@@ -210,25 +236,16 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
                 return
             except ContextFull:
                 journal.record(conv.key, None)  # dropped for good: a rerun does not try it again
-                stats["dropped"] += 1
+                tally.stats["dropped"] += 1
                 return
             except (HsxError, images.ImageFileError) as exc:
-                reason = images.MISSING_IMAGE if isinstance(exc, images.ImageFileError) else exc.type or type(exc).__name__
-                failures[reason] += 1
-                errors.setdefault(conv.key, str(exc))
-                examples.setdefault(reason, f"{conv.key}: {getattr(exc, 'message', exc)}")
+                tally.failed(conv.key, exc)
                 return
             journal.record(conv.key, conversation_row(cfg, conv, out, sampling, variant))
-            if variant is not None:
-                stats["variants"][variant.name] += 1
-            stats["conversations"] += 1
-            stats["turns"] += len(out.turns)
-            stats["generated_tokens"] += out.generated_tokens
-            stats["length_cut_turns"] += sum(t["finish_reason"] == "length" for t in out.turns)
-            stats["ended"][out.ended] += 1
+            tally.stored(out, variant)
             if bar is not None:
-                rate = stats["generated_tokens"] / max(1e-9, time.monotonic() - started)
-                bar.set_postfix_str(f"gen {rate:,.0f} tok/s, failed {sum(failures.values())}", refresh=False)
+                rate = tally.stats["generated_tokens"] / max(1e-9, time.monotonic() - started)
+                bar.set_postfix_str(f"gen {rate:,.0f} tok/s, failed {sum(tally.failures.values())}", refresh=False)
                 bar.update(1)
 
     interrupted = False
@@ -246,6 +263,7 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
     if not interrupted:
         manifest = journal.write_output(keys, manifest)
     dropped = [k for k in keys if k in journal.done and journal.done[k] is None]  # journaled as None
+    stats = tally.stats
     summary = {
         "output": str(cfg.output),
         "planned": len(keys),
@@ -263,10 +281,7 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
         "dropped_context_full": len(dropped),  # this run's and earlier runs'
         "dropped_this_run": stats["dropped"],
         "dropped_examples": dropped[:3],
-        "failed": sum(failures.values()),
-        "failed_by_reason": dict(failures),
-        "failed_examples": dict(list(errors.items())[:5]),
-        "failed_example_by_reason": examples,
+        **tally.failure_fields(),
         "bad_rows": len(bad),
         "bad_rows_by_kind": dict(Counter(b.kind for b in bad)),
         "elapsed_s": elapsed,
@@ -275,9 +290,14 @@ async def _run(cfg: RegenConfig, conversations: list[Conversation], journal: Jou
     if refused:
         summary["error"] = str(refused[0])
         return RegenResult(ExitCode.REFUSED, summary)
-    if interrupted:
-        return RegenResult(ExitCode.INTERRUPTED, summary)
-    return RegenResult(ExitCode.OK if manifest["complete"] else ExitCode.FAILED, summary)
+    return RegenResult(ExitCode.INTERRUPTED if interrupted else ExitCode.OK if manifest["complete"] else ExitCode.FAILED,
+                       summary)
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="conv", desc="regenerate", dynamic_ncols=True, smoothing=0.05)
 
 
 def conversation_row(cfg: RegenConfig, conv: Conversation, out: Any, sampling: Sampling, variant: Any) -> dict:

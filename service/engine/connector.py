@@ -25,41 +25,18 @@ Compared with vLLM's `ExampleHiddenStatesConnector` there is no file, lock file,
 safetensors serialization or read-back: one device-to-host copy into memory the
 HTTP layer sends from.
 
-When the copy starts: as soon as the worker learns of the save, when the step after
-the request's last forward binds its connector metadata, before that step's forward
-(both model runners, V1 and Model Runner V2, bind first; steps without a forward bind
-too). A save reaches the worker at least one step after the request's last forward
-(the scheduler queues it in `request_finished`, after that step's output), so that
-step's forward, sampling and drafter (which writes the captured states) were all
-enqueued on the compute stream before; the copy is ordered after them by an event
-and runs beside the new step's forward. Issuing it in `get_finished`, after the new
-step's forward, cost each request one engine step of latency (0.55-0.76 s per request
-on the 8B shape, H200, 2026-12-02). `get_finished` still starts any save not started
-(a runner that did not bind) and reports each request once its copy has landed.
-
-What the copy waits for: with vLLM's async scheduling the scheduler has already built
-step s+1 when it learns that a request finished in step s, so the save rides in step
-s+2's metadata, and an event recorded at that bind would also wait for step s+1's
-forward (one more step: the 0.38 s `copy` phase of the 8B shape, H200, 2026-12-02).
-So each bind records an event for its step (`HsxConnectorMetadata.step`), the scheduler
-side notes the last step each request was scheduled in, and a save waits for the event
-of the step after that one: everything its states came from, nothing later. Its blocks
-stay the request's until `get_finished` reports it, so the steps running beside the
-copy never write them. Without that event (no such bind seen) it waits as before.
+When the copy starts and what it waits for (so it overlaps the next step's forward and
+never waits for a later step): docs/connector-timing.md.
 """
 
 from __future__ import annotations
 
-import json
 import queue
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import zmq
 
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -76,6 +53,7 @@ from hsx.protocol import KV_PARAMS_KEY
 from hsx_service.engine import hidden_cache, vllm_compat
 from hsx_service.engine.arena import SharedArena
 from hsx_service.engine.chunks import CHUNKS_KEY, ChunkedSave, ChunkPlan, CreditBook, CreditInbox
+from hsx_service.engine.connector_messages import HsxConnectorMetadata, Notifier, PendingSave, ready_event
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -90,47 +68,8 @@ lifeline.hold()  # this engine process dies with hsx serve (also vLLM's general 
 LOG_EVERY = 256
 
 
-@dataclass
-class PendingSave:
-    req_id: str
-    key: str
-    block_ids: list[int]
-    num_tokens: int
-    offset: int
-    nbytes: int
-    layer_positions: list[int]  # positions within the captured layers, ascending
-    last_step: int = -1  # the last step the request was scheduled in (-1: unknown)
-    chunks: dict | None = None  # a chunked save's ChunkPlan (chunks.py); None: the whole range
-
-
-@dataclass
-class HsxConnectorMetadata(KVConnectorMetadata):
-    saves: list[PendingSave] = field(default_factory=list)
-    step: int = -1  # the scheduler's count of the step this metadata belongs to
-    started: bool = False  # worker side: its copies were issued (each worker has its own copy)
-
-
 STEP_EVENTS_KEPT = 16  # worker side: bind events kept (a save needs one a step or two old)
 LAST_STEP_CAP = 1 << 16  # scheduler side: bound on remembered requests (finished ones are dropped)
-
-
-def ready_event(events: dict, last_step: int):
-    """The event recorded at the bind of the step after `last_step` (every write of a
-    request's states precedes it on the compute stream), or None when none was kept."""
-    return events.get(last_step + 1) if last_step >= 0 else None
-
-
-class Notifier:
-    """PUSH side of the completion channel; one per process role, one sending thread."""
-
-    def __init__(self, address: str):
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        self._sock.connect(address)
-
-    def send(self, key: str, ok: bool, error: str | None = None, **extra: Any) -> None:
-        self._sock.send(json.dumps({"key": key, "ok": ok, "error": error, **extra}).encode())
 
 
 class HsxConnector(KVConnectorBase_V1, SupportsHMA):
@@ -273,7 +212,7 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
         hidden_cache.check_view(tuple(self._kv_cache.shape), self._block_axis, num_layers,
                                 self._vllm_config.model_config.get_hidden_size(), self._block_size)
         logger.info("hsx connector: vLLM %s, %s, hidden-states cache view %s %s (block offsets on axis %d)",
-                    vllm.__version__, vllm_compat.model_runner_name(_caller_module()), tuple(self._kv_cache.shape),
+                    vllm.__version__, vllm_compat.model_runner_name(vllm_compat.calling_worker_module()), tuple(self._kv_cache.shape),
                     self._kv_cache.dtype, self._block_axis)
         if not self._is_writer:
             return
@@ -501,14 +440,3 @@ class HsxConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._thread is not None:
             self._copies.put(None)
-
-
-def _caller_module() -> str:
-    """The vLLM worker module that called register_kv_caches (names the model runner)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if name.startswith("vllm.v1.worker"):
-            return name
-        frame = frame.f_back
-    return "?"

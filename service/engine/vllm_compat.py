@@ -8,6 +8,8 @@ actually run, with the command and the date; the answers below say no more than 
 
 from __future__ import annotations
 
+import sys
+
 from typing import Any
 
 from packaging.version import Version
@@ -175,3 +177,15 @@ def model_runner_name(caller_module: str) -> str:
     if caller_module.startswith("vllm.v1.worker."):
         return "V1 model runner"
     return f"unknown runner ({caller_module})"
+
+
+def calling_worker_module() -> str:
+    """The vLLM worker module up the stack of the caller (the connector's register_kv_caches):
+    names the model runner for model_runner_name."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("vllm.v1.worker"):
+            return name
+        frame = frame.f_back
+    return "?"

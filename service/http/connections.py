@@ -99,92 +99,95 @@ class ConnectionGuard:
             self._logged_at = now
 
 
+class _GuardedProtocol:
+    """The bounds a ConnectionGuard sets, mixed in before one of uvicorn's HTTP protocol
+    classes (guarded_protocol): admission, the header deadline, the count of open connections."""
+
+    _guard: ConnectionGuard  # set by guarded_protocol on the class it makes
+    _admitted = False
+    _deadline: asyncio.TimerHandle | None = None
+    _waiting_for = None  # the request cycle that was current when the deadline was set
+    _partial = False  # bytes of a request whose headers are not complete
+    probe_only = False
+
+    @property
+    def waiting(self) -> bool:
+        """No request in progress: waiting for (the rest of) the next one's headers."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def connection_made(self, transport) -> None:
+        verdict = self._guard.admit(self)
+        if verdict == "refused":
+            transport.write(_REFUSAL % (len(_REFUSAL_BODY), _REFUSAL_BODY))
+            transport.close()
+            return
+        self._admitted = True
+        self._guard.open[self] = None
+        if verdict == "probe_only":
+            self._guard.probe_only += 1
+            self.probe_only = True
+            self.app_state = {**self.app_state, PROBE_ONLY: True}  # copied into each request's scope
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._admitted:
+            return
+        if self.waiting and (self._deadline is None or self._waiting_for is not self.cycle):
+            self._arm()
+        super().data_received(data)
+        self._partial = self.waiting
+        if not self._partial:  # a request's headers are in: its body and answer have their own bounds
+            self._disarm()
+
+    def eof_received(self):
+        if self._admitted:
+            return super().eof_received()
+
+    def connection_lost(self, exc) -> None:
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._disarm()
+        self._forget()
+        super().connection_lost(exc)
+
+    def _forget(self) -> None:
+        """Out of the guard's count, once (at its closing: the transport ends soon after)."""
+        if self in self._guard.open:
+            del self._guard.open[self]
+            self._guard.probe_only -= self.probe_only
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._waiting_for = self.cycle
+        self._deadline = self.loop.call_later(self._guard.header_timeout, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        if self._admitted and self.waiting and self.cycle is self._waiting_for:
+            if self._partial:
+                body = (b'{"error": {"type": "header_timeout", "message": "the request headers did not arrive '
+                        b'within the server\'s --header-timeout", "request_id": null}}')
+                self.transport.write(_TIMEOUT % (len(body), body))
+            self.close_now("header_timeout")
+
+    def close_now(self, reason: str) -> None:
+        self._forget()
+        self._guard.shed(reason)
+        self._disarm()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
 def guarded_protocol(guard: ConnectionGuard, base: type[asyncio.Protocol] = AutoHTTPProtocol) -> type:
     """uvicorn's HTTP protocol class with `guard`'s bounds (uvicorn.Config(http=...))."""
-
-    class GuardedProtocol(base):
-        _admitted = False
-        _deadline: asyncio.TimerHandle | None = None
-        _waiting_for = None  # the request cycle that was current when the deadline was set
-        _partial = False  # bytes of a request whose headers are not complete
-        probe_only = False
-
-        @property
-        def waiting(self) -> bool:
-            """No request in progress: waiting for (the rest of) the next one's headers."""
-            return self.cycle is None or self.cycle.response_complete
-
-        def connection_made(self, transport) -> None:
-            verdict = guard.admit(self)
-            if verdict == "refused":
-                transport.write(_REFUSAL % (len(_REFUSAL_BODY), _REFUSAL_BODY))
-                transport.close()
-                return
-            self._admitted = True
-            guard.open[self] = None
-            if verdict == "probe_only":
-                guard.probe_only += 1
-                self.probe_only = True
-                self.app_state = {**self.app_state, PROBE_ONLY: True}  # copied into each request's scope
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            if not self._admitted:
-                return
-            if self.waiting and (self._deadline is None or self._waiting_for is not self.cycle):
-                self._arm()
-            super().data_received(data)
-            self._partial = self.waiting
-            if not self._partial:  # a request's headers are in: its body and answer have their own bounds
-                self._disarm()
-
-        def eof_received(self):
-            if self._admitted:
-                return super().eof_received()
-
-        def connection_lost(self, exc) -> None:
-            if not self._admitted:
-                return
-            self._admitted = False
-            self._disarm()
-            self._forget()
-            super().connection_lost(exc)
-
-        def _forget(self) -> None:
-            """Out of the guard's count, once (at its closing: the transport ends soon after)."""
-            if self in guard.open:
-                del guard.open[self]
-                guard.probe_only -= self.probe_only
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._waiting_for = self.cycle
-            self._deadline = self.loop.call_later(guard.header_timeout, self._headers_late)
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _headers_late(self) -> None:
-            self._deadline = None
-            if self._admitted and self.waiting and self.cycle is self._waiting_for:
-                if self._partial:
-                    body = (b'{"error": {"type": "header_timeout", "message": "the request headers did not arrive '
-                            b'within the server\'s --header-timeout", "request_id": null}}')
-                    self.transport.write(_TIMEOUT % (len(body), body))
-                self.close_now("header_timeout")
-
-        def close_now(self, reason: str) -> None:
-            self._forget()
-            guard.shed(reason)
-            self._disarm()
-            if not self.transport.is_closing():
-                self.transport.close()
-
-    GuardedProtocol.__name__ = f"Guarded{base.__name__}"
-    return GuardedProtocol
+    return type(f"Guarded{base.__name__}", (_GuardedProtocol, base), {"_guard": guard})
 
 
 def protocol_for(settings: ServiceSettings, metrics: Metrics | None) -> type:

@@ -191,6 +191,67 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _result_header(args: argparse.Namespace, facts: dict[str, Any], itemsize: int, layers: list[int],
+                   engine_flags: list[str]) -> dict[str, Any]:
+    """The run's settings as the JSON result records them; each mode's figures go under "modes"."""
+    return {
+        "hsx_bench": 1,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "argv": sys.argv,
+        "preset": args.preset,
+        "model": facts,
+        "model_spec": args.make_model,
+        "dtype": args.dtype,
+        "itemsize": itemsize,
+        "layers": layers,
+        "prompts": {"count": args.prompts, "length": args.prompt_len, "seed": args.seed, "warmup": args.warmup},
+        "concurrency": args.concurrency,
+        "codec": args.codec,
+        "transfer": args.transfer,
+        "client_process": args.client_process,
+        "workers": args.workers,
+        "max_buffer_bytes": args.max_buffer_bytes,
+        "engine_flags": engine_flags,
+        "server_args": args.server_arg,
+        "hardware": hardware(),
+        "modes": {},
+    }
+
+
+def _run_modes(args: argparse.Namespace, modes: list[str], workdir: Path, ctx: dict[str, Any],
+               facts: dict[str, Any], result: dict[str, Any]) -> dict[str, str]:
+    """Each mode in turn, its figures into result["modes"]; a failed mode is reported and the
+    others still run. Returns {mode: why} of those that failed."""
+    layers, itemsize = ctx["layers"], ctx["itemsize"]
+    failures: dict[str, str] = {}
+    for m in modes:
+        log(f"===== mode ({m}) {MODE_NAMES[m]} =====")
+        try:
+            if m in ("a", "b"):
+                from hsx_tools.bench.engines import run_engine_mode
+
+                res = run_engine_mode(m, ctx, workdir, args.start_timeout + 1200)
+            else:
+                prompts = make_prompts(args.prompts, args.prompt_len, facts["vocab_size"], args.seed)
+                warm = make_prompts(args.warmup, args.prompt_len, facts["vocab_size"], args.seed + 1)
+                from hsx_tools.bench.mode_c import run_mode_c
+
+                res = run_mode_c(ctx, args, workdir, prompts, warm, args.start_timeout)
+                del prompts, warm
+        except Exception as exc:  # report the others; exit 1 at the end
+            failures[m] = f"{type(exc).__name__}: {exc}"
+            log(f"mode ({m}) FAILED: {failures[m]}")
+            continue
+        res["gb_per_s"] = res["tokens_per_s"] * len(layers) * facts["hidden_size"] * itemsize / 1e9
+        if m == "a":
+            res["hs_bytes"] = res["tokens"] * len(layers) * facts["hidden_size"] * itemsize  # would-be
+            res["hs_bytes_note"] = "nothing extracted; what the tokens would carry"
+        result["modes"][m] = res
+        if "versions" in res and "versions" not in result:
+            result["versions"] = res["versions"]
+    return failures
+
+
 def _run(args: argparse.Namespace, modes: list[str], workdir: Path) -> int:
     ensure_packages(workdir)
     model = Path(args.model) if args.model and os.path.isdir(args.model) else None
@@ -223,54 +284,8 @@ def _run(args: argparse.Namespace, modes: list[str], workdir: Path) -> int:
     }
     log(f"{args.prompts} prompts x {args.prompt_len} tokens = {tokens:,} tokens; layers {layers} of {n}; "
         f"{fmt_bytes(ctx['hs_bytes_total'])} of states; engine flags: {' '.join(engine_flags)}")
-    result: dict[str, Any] = {
-        "hsx_bench": 1,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "argv": sys.argv,
-        "preset": args.preset,
-        "model": facts,
-        "model_spec": args.make_model,
-        "dtype": args.dtype,
-        "itemsize": itemsize,
-        "layers": layers,
-        "prompts": {"count": args.prompts, "length": args.prompt_len, "seed": args.seed, "warmup": args.warmup},
-        "concurrency": args.concurrency,
-        "codec": args.codec,
-        "transfer": args.transfer,
-        "client_process": args.client_process,
-        "workers": args.workers,
-        "max_buffer_bytes": args.max_buffer_bytes,
-        "engine_flags": engine_flags,
-        "server_args": args.server_arg,
-        "hardware": hardware(),
-        "modes": {},
-    }
-    failures: dict[str, str] = {}
-    for m in modes:
-        log(f"===== mode ({m}) {MODE_NAMES[m]} =====")
-        try:
-            if m in ("a", "b"):
-                from hsx_tools.bench.engines import run_engine_mode
-
-                res = run_engine_mode(m, ctx, workdir, args.start_timeout + 1200)
-            else:
-                prompts = make_prompts(args.prompts, args.prompt_len, facts["vocab_size"], args.seed)
-                warm = make_prompts(args.warmup, args.prompt_len, facts["vocab_size"], args.seed + 1)
-                from hsx_tools.bench.mode_c import run_mode_c
-
-                res = run_mode_c(ctx, args, workdir, prompts, warm, args.start_timeout)
-                del prompts, warm
-        except Exception as exc:  # report the others; exit 1 at the end
-            failures[m] = f"{type(exc).__name__}: {exc}"
-            log(f"mode ({m}) FAILED: {failures[m]}")
-            continue
-        res["gb_per_s"] = res["tokens_per_s"] * len(layers) * facts["hidden_size"] * itemsize / 1e9
-        if m == "a":
-            res["hs_bytes"] = res["tokens"] * len(layers) * facts["hidden_size"] * itemsize  # would-be
-            res["hs_bytes_note"] = "nothing extracted; what the tokens would carry"
-        result["modes"][m] = res
-        if "versions" in res and "versions" not in result:
-            result["versions"] = res["versions"]
+    result = _result_header(args, facts, itemsize, layers, engine_flags)
+    failures = _run_modes(args, modes, workdir, ctx, facts, result)
     result.setdefault("versions", versions_light())
     result["ratios"] = ratios(result["modes"])
     if failures:

@@ -89,28 +89,7 @@ def worker_main(config_path: str) -> int:
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
     def read_back(outs: list[Any], check: bool) -> tuple[int, int]:
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-            cleanup_hidden_states,
-            load_hidden_states,
-        )
-
-        nbytes = files = 0
-        for o in outs:
-            path = (o.kv_transfer_params or {}).get("hidden_states_path")
-            if not path:
-                raise RuntimeError(f"request {o.request_id} returned no hidden_states_path")
-            d = load_hidden_states(path)
-            hs = d["hidden_states"]
-            nbytes += hs.numel() * hs.element_size()
-            files += os.path.getsize(path)
-            if check:
-                t_ = len(o.prompt_token_ids)
-                if tuple(hs.shape) != (t_, len(layers), cfg["hidden"]):
-                    raise RuntimeError(f"{path}: hidden_states {tuple(hs.shape)}, expected {(t_, len(layers), cfg['hidden'])}")
-                if d["token_ids"].tolist() != list(o.prompt_token_ids):
-                    raise RuntimeError(f"{path}: token_ids differ from the prompt")
-            cleanup_hidden_states(path)
-        return nbytes, files
+        return _read_back(outs, check, layers, cfg["hidden"])
 
     def gen(ps: list[list[int]]) -> list[Any]:
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp, use_tqdm=False)
@@ -142,15 +121,45 @@ def worker_main(config_path: str) -> int:
     result["tokens_per_s"] = tokens / result["measured_s"]
     Path(cfg["result"]).write_text(json.dumps(result))
     log(f"({mode}) {result['tokens_per_s']:,.0f} tokens/s; shutting down")
+    _shutdown(llm)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the stock connector's writer threads can hold interpreter exit for minutes
+
+
+def _read_back(outs: list[Any], check: bool, layers: list[int], hidden: int) -> tuple[int, int]:
+    """Mode (b): each request's file read back (and checked), then removed; (state bytes, file bytes)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
+
+    nbytes = files = 0
+    for o in outs:
+        path = (o.kv_transfer_params or {}).get("hidden_states_path")
+        if not path:
+            raise RuntimeError(f"request {o.request_id} returned no hidden_states_path")
+        d = load_hidden_states(path)
+        hs = d["hidden_states"]
+        nbytes += hs.numel() * hs.element_size()
+        files += os.path.getsize(path)
+        if check:
+            t_ = len(o.prompt_token_ids)
+            if tuple(hs.shape) != (t_, len(layers), hidden):
+                raise RuntimeError(f"{path}: hidden_states {tuple(hs.shape)}, expected {(t_, len(layers), hidden)}")
+            if d["token_ids"].tolist() != list(o.prompt_token_ids):
+                raise RuntimeError(f"{path}: token_ids differ from the prompt")
+        cleanup_hidden_states(path)
+    return nbytes, files
+
+
+def _shutdown(llm: Any) -> None:
     try:
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
     except Exception:
         pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the stock connector's writer threads can hold interpreter exit for minutes
 
 
 def run_engine_mode(mode: str, ctx: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:

@@ -171,13 +171,53 @@ def _measure_in_own_process(ctx: dict[str, Any], args: argparse.Namespace, serve
     return res
 
 
+def _timing_hooks(timings: dict[str, Any], total: int, prompt_len: int) -> Any:
+    """The run loop's hooks that clock the run: t0 at the first request, last_stored at each
+    sample on disk (a progress line every tenth), t1 and the client's figures at the end."""
+    from hsx_client.corpus.run_state import RunHooks
+
+    step = max(1, total // 10)
+
+    def on_start(run) -> None:
+        timings["t0"] = time.monotonic()
+
+    def on_stored(run, index, entry) -> None:
+        timings["last_stored"] = time.monotonic()
+        stored = run.progress.samples
+        if stored % step == 0:
+            dt = time.monotonic() - timings["t0"]
+            log(f"(c) {stored}/{total} samples stored, {stored * prompt_len / max(dt, 1e-9):,.0f} tokens/s")
+
+    def on_end(run) -> None:
+        timings["t1"] = time.monotonic()
+        timings["stats"] = run.worker_stats or run.client.stats()  # --workers: the workers' clients did the work
+        timings["store_s"] = run.store_s
+        timings["life_s"] = run.life_s
+
+    return RunHooks(on_start=on_start, on_stored=on_stored, on_end=on_end)
+
+
+def _client_profile(stats: dict[str, Any], timings: dict[str, Any], done: int, concurrency: int,
+                    measured: float, workers: int) -> dict[str, Any]:
+    """Mean seconds per sample, summed over concurrent requests."""
+    n = max(1, done)
+    return {
+        "response_s": stats.get("response_s", 0.0) / n,
+        "receive_s": stats.get("receive_s", 0.0) / n, "decode_s": stats.get("decode_s", 0.0) / n,
+        "store_s": timings.get("store_s", 0.0) / n, "life_s": timings.get("life_s", 0.0) / n,
+        # Little's law: the mean life the throughput implies at this many in flight; well above
+        # life_s, samples wait outside the workers' request loops (feeding, slots)
+        "implied_life_s": concurrency * measured / n,
+        "concurrency": concurrency, "workers": workers,
+    }
+
+
 def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: ServerProcess, inputs: Path,
                      out_dir: Path, prompts: list[list[int]], transfer: str, timeout: float) -> dict[str, Any]:
     """One timed `hsx extract` run loop (speculators corpus) against the running server:
     from the first request to the last sample recorded (RunHooks), finalize apart."""
     from hsx_client.byte_budget import default_max_buffer_bytes
     from hsx_client.corpus.extract import ExtractConfig, run_extract
-    from hsx_client.corpus.run import RunHooks
     from hsx_client.settings import ClientSettings
 
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -193,26 +233,9 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
     server_proc = getattr(server, "proc", None)  # in --client-process the server is not our child
     exclude = (server_proc.pid,) if server_proc is not None else ()
     sampler = TreeSampler(os.getpid(), interval=0.25, exclude=exclude).start() if workers > 1 else None
-    timings: dict[str, Any] = {}
     total = len(prompts)
-    step = max(1, total // 10)
-
-    def on_start(run) -> None:
-        timings["t0"] = time.monotonic()
-
-    def on_stored(run, index, entry) -> None:
-        timings["last_stored"] = time.monotonic()
-        stored = run.progress.samples
-        if stored % step == 0:
-            dt = time.monotonic() - timings["t0"]
-            log(f"(c) {stored}/{total} samples stored, {stored * ctx['prompt_len'] / max(dt, 1e-9):,.0f} tokens/s")
-
-    def on_end(run) -> None:
-        timings["t1"] = time.monotonic()
-        timings["stats"] = run.worker_stats or run.client.stats()  # --workers: the workers' clients did the work
-        timings["store_s"] = run.store_s
-        timings["life_s"] = run.life_s
-
+    timings: dict[str, Any] = {}
+    hooks = _timing_hooks(timings, total, ctx["prompt_len"])
     cfg = ExtractConfig(
         client=ClientSettings.given([server.url], concurrency_per_server=args.concurrency,
                                    timeout=max(600.0, timeout), compression=compression, transfer=transfer),
@@ -223,7 +246,7 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
         f"transfer {transfer}, coding {compression} -> {out_dir}")
     t_run = time.monotonic()
     try:
-        result = run_extract(cfg, run_hooks=RunHooks(on_start=on_start, on_stored=on_stored, on_end=on_end))
+        result = run_extract(cfg, run_hooks=hooks)
     finally:
         tree = sampler.stop() if sampler is not None else None
     res["run_s"] = time.monotonic() - t_run
@@ -247,16 +270,7 @@ def _measure_extract(ctx: dict[str, Any], args: argparse.Namespace, server: Serv
         hs_bytes=tokens * len(ctx["layers"]) * ctx["hidden"] * ctx["itemsize"],
         client_retries=stats["retries"], client_errors=stats["errors"],
     )
-    n = max(1, int(summ["done"]))
-    res["client_profile"] = {  # mean seconds per sample, summed over concurrent requests
-        "response_s": stats.get("response_s", 0.0) / n,
-        "receive_s": stats.get("receive_s", 0.0) / n, "decode_s": stats.get("decode_s", 0.0) / n,
-        "store_s": timings.get("store_s", 0.0) / n, "life_s": timings.get("life_s", 0.0) / n,
-        # Little's law: the mean life the throughput implies at this many in flight; well above
-        # life_s, samples wait outside the workers' request loops (feeding, slots)
-        "implied_life_s": args.concurrency * measured / n,
-        "concurrency": args.concurrency, "workers": workers,
-    }
+    res["client_profile"] = _client_profile(stats, timings, int(summ["done"]), args.concurrency, measured, workers)
     # max_buffer_bytes: the client's memory budget (issue 29); peak_rss: its tree's peak
     res["client_memory"] = {**own_memory(), "hwm_reset_before_run": hwm_reset, "max_buffer_bytes": cfg.max_buffer_bytes}
     if tree is not None:  # peak_rss: the whole client (parent + workers); the parent alone kept apart
