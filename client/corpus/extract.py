@@ -49,7 +49,7 @@ from hsx_client.api import HsxClient
 from hsx_client.errors import AuthenticationError, HsxError, RetriesExhaustedError, ServersUnreachableError
 from hsx_client.corpus.plan import ConfigError
 from hsx_client.corpus.preflight import (
-    check_chat_template, preflight, servers_agree, token_ratio, wants_final_norm,
+    check_chat_template, check_states_for_images, preflight, servers_agree, token_ratio, wants_final_norm,
 )
 from hsx_client.corpus.progress import Progress, format_summary, reason_counts
 from hsx_client.corpus.provenance import finalize
@@ -200,6 +200,7 @@ class Extractor:
 
             samples = planning.Samples.read(hooks.read_samples, inputs, settings.mask_policy)
             check_chat_template(samples, infos)
+            check_states_for_images(fmt, samples)
             ctx = hooks.make_context(
                 layer_ids=settings.layers,
                 hidden_size=int(info["hidden_size"]),

@@ -205,6 +205,15 @@ def _local_urls(messages: Any) -> bool:
         for m in messages)
 
 
+def request_has_images(body: dict) -> bool:
+    """A planned request (messages with image parts, as extract plans image chats)."""
+    msgs = body.get("messages")
+    return isinstance(msgs, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in _PART_TYPES for p in m["content"])
+        for m in msgs)
+
+
 def needs_inlining(body: dict) -> bool:
     return _local_urls(body.get("messages"))
 

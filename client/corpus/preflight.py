@@ -98,6 +98,21 @@ def wants_final_norm(fmt: CorpusFormat, info: dict[str, Any]) -> bool:
     return info.get("final_norm") is not None
 
 
+def check_states_for_images(fmt: CorpusFormat, samples: planning.Samples) -> None:
+    """A token table (`--states none`) of image chats is refused: the online backend asks the
+    servers for a row's states by its token ids, which cannot carry the images (the image
+    tokens would be embedded as text), so its states would silently not be the chat's."""
+    if getattr(fmt, "needs_states", True):
+        return
+    n = sum(1 for s in samples.by_key.values() if images.request_has_images(s.request))
+    if n:
+        raise ConfigError(
+            f"{n} planned sample(s) are chats with images, and --states none writes token ids only: the online "
+            "backend asks the servers for each row's states by its ids, which cannot carry the images. Extract "
+            "image chats with their states (leave out --states none)"
+        )
+
+
 def check_chat_template(samples: planning.Samples, infos: dict[str, dict[str, Any]]) -> None:
     chats = sum(1 for s in samples.by_key.values() if "messages" in s.request and "chat_template" not in s.request)
     if not chats:

@@ -119,3 +119,22 @@ def test_an_empty_image_field_is_a_text_row(tmp_path):
     bad: list = []
     samples = read_samples([str(path)], bad_rows=bad)
     assert not bad and [s.request["messages"][0]["content"] for s in samples] == ["Hi"] * 3
+
+
+def test_a_token_table_of_image_chats_is_refused_before_any_sample(tmp_path):
+    """--states none writes ids only, and the online backend asks for a row's states by its ids,
+    which cannot carry the images: refused at start, one line, the output left as it was."""
+    import httpx
+
+    from hsx_client.corpus import extract as ex
+    from hsx_client.corpus.formats import get_format
+    from _extract_fakes import FakeCtx, cfg_for
+    from _first_hour import InfoServer, refused_and_untouched
+
+    root = chats.write_fixture(tmp_path / "chats")
+    out = tmp_path / "out"
+    srv = InfoServer(layer_ids=[1, 2, 3, 4], chat_template_sha256="abc")
+    cfg = cfg_for(root / "openai.jsonl", out, format="speculators", states="none")
+    hooks = ex.Hooks(read_samples=read_samples, get_format=get_format, make_context=FakeCtx)
+    r = ex.run_extract(cfg, hooks, transport=httpx.MockTransport(srv))
+    refused_and_untouched(r, out, srv, r"chats with images, and --states none writes token ids only")
