@@ -56,6 +56,7 @@ from typing import Any
 from hsx.exit_codes import ExitCode
 from hsx_client import HsxClient, HsxError
 from hsx_client.corpus.extract import Extractor, ExtractResult, default_hooks
+from hsx_client.corpus.plan import normalize_input
 from hsx_client.corpus.recorded import recorded_samples
 from hsx_client.corpus.rows import RowProblem, Sample
 from hsx_client.corpus.run import NO_SUPERVISED
@@ -232,7 +233,11 @@ async def extract_in_one_pass(cfg: RegenConfig, xcfg: Any, conversations: list[C
                               journal: Journal) -> tuple[ExtractResult, OnePass]:
     """hsx extract into `xcfg.output`, each sample's conversation regenerated when first asked."""
     one = OnePass(cfg, conversations, journal, shuffle=xcfg.shuffle is not False, seed=xcfg.seed)
-    xcfg = replace(xcfg, shuffle=False, workers=1)  # shuffled by conversation above; one process shares them
+    # The plan records the conversations as its input files: the regenerate output does not
+    # exist yet when the plan is made (a rerun would find it "new" and refuse to resume).
+    inputs = [normalize_input(str(x)) for x in cfg.inputs]
+    # shuffled by conversation above; one process shares them
+    xcfg = replace(xcfg, inputs=inputs, shuffle=False, workers=1)
     if xcfg.quiet is False and cfg.quiet:
         xcfg = replace(xcfg, quiet=True)
     result = await OnePassExtractor(xcfg, one, transport=cfg.transport).run()

@@ -133,3 +133,33 @@ def test_affinity_sends_requests_to_the_chosen_server(tmp_path):
                 AFFINITY.reset(token)
     asyncio.run(go())
     assert {host for host, path in seen if path == "/v1/chat/completions"} == {B}
+
+
+def test_the_corpus_plan_reads_the_conversations_not_the_output_written_at_the_end(tmp_path, monkeypatch):
+    """The regenerate output does not exist when the corpus plan is made and is written at
+    the end: recorded as the plan's input, a rerun of the finished command found it "new"
+    and refused to resume. The plan records the conversations file instead."""
+    from dataclasses import make_dataclass
+
+    from hsx_client.corpus.extract import ExtractResult
+    from hsx_client.regenerate import one_pass as module
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("{}\n")
+    seen = {}
+
+    class Recording:
+        def __init__(self, xcfg, one, **kw):
+            seen["inputs"], seen["shuffle"], seen["workers"] = xcfg.inputs, xcfg.shuffle, xcfg.workers
+
+        async def run(self):
+            return ExtractResult(0, "complete", {})
+
+    monkeypatch.setattr(module, "OnePassExtractor", Recording)
+    cfg, journal, _ = one_pass(tmp_path, [TWO_TURNS], endpoint({}))
+    cfg.inputs = ["chats.jsonl"]
+    monkeypatch.chdir(tmp_path)
+    xcfg = make_dataclass("X", ["inputs", "shuffle", "seed", "workers", "quiet"])([str(cfg.output)], None, None, 4, True)
+    asyncio.run(module.extract_in_one_pass(cfg, xcfg, [TWO_TURNS], journal))
+    journal.close()
+    assert seen == {"inputs": [str(chats)], "shuffle": False, "workers": 1}
