@@ -177,7 +177,8 @@ def make_tiny_model(
 ) -> Path:
     """Write a random model of `family` (head_dim = hidden/heads must be >= 32 for vLLM CPU).
     `mla` overrides deepseek_v3's MLA head sizes (DEEPSEEK_MLA), e.g. to provoke vLLM's refusal.
-    `config_overrides` sets config fields after the family's defaults (e.g. n_routed_experts).
+    `config_overrides` sets config fields after the family's defaults (e.g. n_routed_experts;
+    a dotted key sets a sub-config's field, e.g. vision_config.depth).
     `weights=False` writes the config and tokenizer only, for vLLM's `--load-format dummy`: a
     model the size of a real one (a benchmark's shape) without writing its weights."""
     import torch
@@ -201,9 +202,14 @@ def make_tiny_model(
         max_position_embeddings=max_position_embeddings, mla=mla,
     )
     for key, value in (config_overrides or {}).items():
-        if not hasattr(config, key):
+        target, _, field = key.rpartition(".")  # "vision_config.depth": a sub-config's field
+        obj = getattr(config, target) if target else config
+        if not hasattr(obj, field):
             raise ValueError(f"{family} config has no field {key!r}")
-        setattr(config, key, value)
+        setattr(obj, field, value)
+    if family == "qwen2_5_vl" and "vision_config.fullatt_block_indexes" not in (config_overrides or {}):
+        depth = config.vision_config.depth  # full attention every 8th block, as Qwen2.5-VL's 7 .. 31 of 32
+        config.vision_config.fullatt_block_indexes = [i for i in range(depth) if i % 8 == 7] or [depth - 1]
     if not weights:
         config.architectures = [model_cls.__name__]  # save_pretrained of a model would write it
         config.save_pretrained(out)
