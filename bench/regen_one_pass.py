@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                     vllm.wait("/health", args.timeout)
                     run(vllm.url, "vwarmup", argparse.Namespace(**{**vars(warm), "no_metrics": "/metrics"}), tmp)
                     results["vllm_regenerate"] = run(vllm.url, "vllm", plain, tmp)
+                    save_partial(results, args)
                 finally:
                     vllm.stop()
             port = free_port()
@@ -160,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 server.wait("/ready", args.timeout)
                 run(server.url, "warmup", warm, tmp)
-                results |= {"regenerate_alone": run(server.url, "alone", args, tmp),
-                            "one_pass": run(server.url, "one", args, tmp, True),
-                            "two_pass": run(server.url, "two", args, tmp, True, "--two-pass")}
+                for key, name, more in (("regenerate_alone", "alone", ()), ("one_pass", "one", (True,)),
+                                        ("two_pass", "two", (True, "--two-pass"))):
+                    results[key] = run(server.url, name, args, tmp, *more)
+                    save_partial(results, args)
                 if args.vllm_arm:
                     results["vllm_then_extract"] = vllm_then_extract(
                         results["vllm_regenerate"], extract(server.url, "vllm", args, tmp, tmp / "vllm.jsonl"))
@@ -174,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
                 for log in tmp.glob("*.log"):
                     (args.keep_logs / f"one-pass-{log.name}").write_bytes(log.read_bytes())
     return report(results, args)
+
+
+def save_partial(results: dict, args: argparse.Namespace) -> None:
+    """The runs so far, should a later one not finish (the final report overwrites it)."""
+    if args.out:
+        args.out.write_text(json.dumps({"partial": True, "settings": vars(args) | {"out": str(args.out)},
+                                        "results": results}, indent=1, default=str) + "\n")
 
 
 def vllm_then_extract(regen: dict, ext: dict) -> dict:
