@@ -205,7 +205,8 @@ def image_chat_checks(family: str, model_dir: Path, srv, fixture: Path, layers: 
         out = r.json()
         n_img = out["prompt_token_ids"].count(pad)
         want = int(decode(rs[names.index("one photograph")].content).media_mask.sum())
-        cc.verdict(f"{family}: /v1/chat/completions with the photograph", n_img == want and out["choices"][0]["token_ids"],
+        cc.verdict(f"{family}: /v1/chat/completions with the photograph",
+                   bool(n_img == want and out["choices"][0]["token_ids"]),
                    f"{len(out['prompt_token_ids'])} prompt ids, {n_img} image tokens (/hidden_states: {want}), "
                    f"generated {out['choices'][0]['token_ids']}")
     else:
