@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -177,7 +178,8 @@ def make_tiny_model(
 ) -> Path:
     """Write a random model of `family` (head_dim = hidden/heads must be >= 32 for vLLM CPU).
     `mla` overrides deepseek_v3's MLA head sizes (DEEPSEEK_MLA), e.g. to provoke vLLM's refusal.
-    `config_overrides` sets config fields after the family's defaults (e.g. n_routed_experts).
+    `config_overrides` sets config fields after the family's defaults (e.g. n_routed_experts;
+    a dotted key sets a sub-config's field, e.g. vision_config.depth).
     `weights=False` writes the config and tokenizer only, for vLLM's `--load-format dummy`: a
     model the size of a real one (a benchmark's shape) without writing its weights."""
     out = Path(out)
@@ -188,10 +190,7 @@ def make_tiny_model(
         num_heads=num_heads, num_kv_heads=num_kv_heads, vocab_size=vocab_size,
         max_position_embeddings=max_position_embeddings, mla=mla,
     )
-    for key, value in (config_overrides or {}).items():
-        if not hasattr(config, key):
-            raise ValueError(f"{family} config has no field {key!r}")
-        setattr(config, key, value)
+    _override(config, family, config_overrides or {})
     if weights:
         _write_random_weights(out, family, config, model_cls, dtype, seed)
     else:
@@ -207,6 +206,18 @@ def make_tiny_model(
         write_qwen_vl_processor(out)
     _finish_config(out, family, dtype)
     return out
+
+
+def _override(config: Any, family: str, overrides: dict) -> None:
+    for key, value in overrides.items():
+        target, _, field = key.rpartition(".")  # "vision_config.depth": a sub-config's field
+        obj = getattr(config, target) if target else config
+        if not hasattr(obj, field):
+            raise ValueError(f"{family} config has no field {key!r}")
+        setattr(obj, field, value)
+    if family == "qwen2_5_vl" and "vision_config.fullatt_block_indexes" not in overrides:
+        depth = config.vision_config.depth  # full attention every 8th block, as Qwen2.5-VL's 7 .. 31 of 32
+        config.vision_config.fullatt_block_indexes = [i for i in range(depth) if i % 8 == 7] or [depth - 1]
 
 
 def _family_tokenizer(out: Path, family: str, vocab_size: int):

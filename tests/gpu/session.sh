@@ -14,6 +14,9 @@
 #   bash tests/gpu/session.sh regen 0.33.0        # issue 28: hsx regenerate on hsx serve vs vllm serve (8B shape)
 #   bash tests/gpu/session.sh draft 0.33.0        # issue 30: drafts trained on hsx vs reference data, acceptance
 #     (.whl/online and .whl/draft from tests/gpu/draft_wheels.sh carried by stash calls; DRAFT_ARGS adds flags)
+#   bash tests/gpu/session.sh images 0.33.0       # issue 41: tiny Kimi-K2.5 and Qwen2.5-VL image chats, bf16, every layer
+#   bash tests/gpu/session.sh imagebench 0.33.0   # issue 41: hsx bench --image-chat on a Qwen2.5-VL-7B shape
+#   bash tests/gpu/session.sh onepass 0.33.0      # issue 41: one-pass vs two-pass vs vllm serve + hsx extract (8B)
 #   bash tests/gpu/session.sh bench17 0.33.0 preset|8b [WORKERS [HTTP_WORKERS]]   # issue 17's HTTP rows
 #     (MODES=c skips plain prefill; SERVER_ARGS="--zstd-frame-threads=2" adds hsx serve flags)
 # Results land in $OUT (check-*.json, bench-*.json, logs). Consecutive calls must follow within the
@@ -44,6 +47,12 @@ prepare)
     cp -r "$fx/models/stories260K" .gpufix/
     cp "$fx/chat/oasst/threads.messages.jsonl" .gpufix/
     cp "$fx/chat_templates/llama3.jinja" .gpufix/
+    # The real-photo fixture of tests/_image_chats.py (matplotlib's sample photograph, MRI slice,
+    # drawing) for the images step: the GPU image need not have matplotlib.
+    mkdir -p .gpufix/images
+    "${HSX_PYTHON:-python3}" -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path
+from _image_chats import IMAGES, image_bytes
+for n in IMAGES: Path('.gpufix/images', n).write_bytes(image_bytes(n))"
     # Pure-Python wheels hsx needs that neither the image nor the kit has: HsxClient's transport
     # (client/transport.py) and the server's tokenizer processes (service/tokenize_pool.py).
     python3 -m pip download -q --no-deps --only-binary=:all: -d .gpufix/wheels "httpx-aiohttp>=0.2" "pebble>=5.0" \
@@ -81,6 +90,8 @@ stash)
         python3 -m pip show torch triton nvidia-nccl-cu13 nvidia-cudnn-cu13 nvidia-cusparselt-cu13 nvidia-cublas \
             nvidia-nvshmem-cu13 cuda-bindings nvidia-cuda-runtime transformers 2>/dev/null | grep -E "^(Name|Version)" \
             | paste - - | tee "$out/image-packages.txt"
+        python3 -m pip show pillow numba llvmlite einops opencv-python-headless numpy 2>/dev/null \
+            | grep -E "^(Name|Version)" | paste - - | tee -a "$out/image-packages.txt"
         command -v zstd || echo "no zstd CLI: assemble.sh uses the zstandard wheel"
     fi
     ls -la /tmp/gpukit
@@ -91,9 +102,59 @@ check)
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
     python3 tests/gpu/kit/load_check.py /tmp/site 2>&1 | tee "$out/load-check-$ver.log"
+    # CHECK_CUDA=0: assemble and load check only (when this kit's check_cuda rows are on record)
+    [ "${CHECK_CUDA:-1}" = 0 ] && exit 0
     runner=$(expected_runner)
     python3 tests/gpu/check_cuda.py --expect-runner "$runner" --json "$out/check-$ver.json" 2>&1 \
         | tee "$out/check-$ver.log"
+    ;;
+images)
+    # Issue 41 item 1: the tiny Kimi-K2.5 (MoonViT + MLA MoE) and Qwen2.5-VL in bf16, chats with one
+    # and several images (the real-photo fixture carried in .gpufix/images), every layer against
+    # transformers fp32; hostile images refused while text is answered (tests/gpu/check_images.py).
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    runner=$(expected_runner)
+    # shellcheck disable=SC2086
+    python3 tests/gpu/check_images.py --fixture /tmp/gpufix/images --expect-runner "$runner" ${IMAGES_ARGS:-} \
+        --json "$out/check-images-$ver.json" 2>&1 | tee "$out/check-images-$ver.log"
+    cp /tmp/hsx-gpu-images-*/*.log "$out/" 2>/dev/null || true
+    ;;
+imagebench)
+    # Issue 41 item 2: hsx bench --image-chat on a Qwen2.5-VL-7B shape (28 x 3584 text, a 32-block
+    # 1280-wide ViT, vocab 152064; vLLM's dummy weights): vLLM's own LLM.chat prefill of the same
+    # chats, then hsx serve by same-host leases, HTTP identity and zstd, --workers client processes.
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    qvl="family=qwen2_5_vl,layers=28,hidden=3584,ffn=18944,heads=28,kv_heads=4,vocab=152064,dtype=bfloat16"
+    qvl="$qvl,max_pos=4096,weights=0,vit_depth=32,vit_hidden=1280,vit_ffn=3420,vit_heads=16"
+    # shellcheck disable=SC2086
+    python3 -m hsx_tools.cli bench --image-chat --make-model "$qvl" --dtype bfloat16 --max-model-len 4096 \
+        --chats "${IMAGE_CHATS:-512}" --warmup 32 --concurrency "${IMAGE_CONCURRENCY:-32}" --workers "${IMAGE_WORKERS:-8}" \
+        --layers 2,14,25,28 --transfer "${TRANSFER:-auto,http:none,http:zstd}" --engine-arg=--load-format=dummy \
+        --engine-arg=--gpu-memory-utilization=0.85 --engine-arg=--max-num-batched-tokens=16384 \
+        --server-arg=--arena-bytes=17179869184 --workdir /tmp/hsxb-image --keep ${IMAGEBENCH_ARGS:-} \
+        --out "$out/imagebench-$ver.json" 2>&1 | tee "$out/imagebench-$ver.log"
+    cp /tmp/hsxb-image/*.log "$out/" 2>/dev/null || true
+    ;;
+onepass)
+    # Issue 41 item 3: bench/regen_one_pass.py on the 8B Llama shape (vLLM's dummy weights, hsx's small
+    # tokenizer as the regen step): hsx regenerate alone, one pass (--extract-to), two passes on hsx
+    # serve, and hsx regenerate on plain vllm serve then hsx extract of it; generated tokens/s of hsx
+    # serve vs vllm serve from the same client.
+    # shellcheck disable=SC1091
+    . tests/gpu/kit/env.sh
+    model=/tmp/regen-llama8b
+    [ -f "$model/config.json" ] || python3 -c "from hsx_tools.tiny_model import make_tiny_model; make_tiny_model(
+        '$model', 'llama', num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+        vocab_size=1024, max_position_embeddings=4096, dtype='bfloat16', weights=False)"
+    # shellcheck disable=SC2086
+    python3 bench/regen_one_pass.py --model "$model" --input /tmp/gpufix/threads.messages.jsonl \
+        --engine-args "--load-format dummy --dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.85" \
+        --hsx-args "--layers 2,16,29,32" --layers 2,16,29,32 --vllm-arm --warmup 16 \
+        --conversations "${ONEPASS_CONVERSATIONS:-256}" --prompt-chars "${ONEPASS_PROMPT_CHARS:-2000}" \
+        --max-tokens "${ONEPASS_MAX_TOKENS:-256}" --concurrency 128 --keep-logs "$out" ${ONEPASS_ARGS:-} \
+        --out "$out/onepass-$ver.json" 2>&1 | tee "$out/onepass-$ver.log"
     ;;
 extra)
     # shellcheck disable=SC1091
@@ -292,7 +353,7 @@ benchds)
         --out "$out/benchds-w$workers-$ver.json" 2>&1 | tee "$out/benchds-w$workers-$ver.log"
     ;;
 *)
-    echo "session.sh: unknown step $step (prepare, stash, check, extra, mla, quant, bitequal, regen, long, bench, bench17, benchds, draft)" >&2
+    echo "session.sh: unknown step $step (prepare, stash, check, extra, images, imagebench, onepass, mla, quant, bitequal, regen, long, bench, bench17, benchds, draft)" >&2
     exit 2
     ;;
 esac

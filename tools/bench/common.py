@@ -42,9 +42,13 @@ def parse_spec(spec: str) -> dict[str, Any]:
 
 
 # Spec keys that set a field of the family's config (hsx_tools.tiny_model's config_overrides).
-_CONFIG_KEYS = {"experts": int, "topk": int, "moe_ffn": int, "q_lora": int}
+# vit_*: the vision tower of a qwen2_5_vl (Qwen2.5-VL-7B's: vit_depth=32, vit_hidden=1280,
+# vit_ffn=3420, vit_heads=16).
+_CONFIG_KEYS = {"experts": int, "topk": int, "moe_ffn": int, "q_lora": int, "vit_depth": int, "vit_hidden": int,
+                "vit_ffn": int, "vit_heads": int}
 _CONFIG_FIELDS = {"experts": "n_routed_experts", "topk": "num_experts_per_tok", "moe_ffn": "moe_intermediate_size",
-                  "q_lora": "q_lora_rank"}
+                  "q_lora": "q_lora_rank", "vit_depth": "vision_config.depth", "vit_hidden": "vision_config.hidden_size",
+                  "vit_ffn": "vision_config.intermediate_size", "vit_heads": "vision_config.num_heads"}
 
 
 def ensure_model(spec: str, workdir: Path, prompt_len: int) -> Path:
