@@ -12,6 +12,13 @@ leases), so the states are exactly those of the row's tokens; it checks that the
 token ids equal the row's, that the states are [T, L, H] with the corpus's layers, and
 that they are finite (speculators' cached path checks none of this).
 
+Image chats: a table made from chats with images (its hsx_format.json counts image tokens,
+or the table has a media_mask column) is refused when the settings are read, with one line:
+this backend asks the servers for a row's states by its `input_ids`, and token ids alone
+cannot carry the pixels, so the server would embed the image placeholders as text tokens
+and return states that are not the image chat's. Such corpora are extracted with their
+states (`--states all`) and trained with speculators' `file` backend.
+
 Which layers: those recorded in DATA/hsx_corpus.json (the servers must serve them, and
 the same model: checked once per process), else `--hsx-layers`, else all the server serves.
 
@@ -99,12 +106,31 @@ def settings_from_args(args: argparse.Namespace, data_path: str) -> HsxSettings:
     transfer = getattr(args, "hsx_transfer", None) or "auto"
     if transfer not in TRANSFERS:
         raise ValueError(f"--hsx-transfer must be one of {', '.join(TRANSFERS)}, not {transfer!r}")
+    image_problem = image_table_problem(Path(data_path))
+    if image_problem:
+        raise ValueError(image_problem)
     return HsxSettings(
         servers=urls, data_path=str(data_path), api_key=key,
         timeout=float(getattr(args, "hsx_timeout", None) or DEFAULTS.timeout),
         max_attempts=int(getattr(args, "hsx_max_attempts", None) or DEFAULTS.max_attempts),
         transfer=transfer, layers=layer_ids, on_missing=getattr(args, "on_missing", "generate") or "generate",
     )
+
+
+def image_table_problem(data_path: Path) -> str | None:
+    """Why the table at `data_path` cannot be trained online (it holds image chats), or None."""
+    facts: dict[str, Any] = {}
+    for name in ("hsx_format.json", "dataset_info.json"):
+        try:
+            facts[name] = json.loads((data_path / name).read_text())
+        except (OSError, ValueError):
+            facts[name] = {}
+    images = int(facts["hsx_format.json"].get("num_media_tokens") or 0)
+    if not images and "media_mask" not in (facts["dataset_info.json"].get("features") or {}):
+        return None
+    return (f"{data_path} holds image chats ({images or 'some'} image tokens): the hsx backend fetches a row's states "
+            "by its input_ids, which cannot carry the images; extract them with --states all and train with "
+            "--hidden-states-backend file")
 
 
 async def _receive(stream: Any) -> tuple[torch.Tensor, Any]:

@@ -108,3 +108,17 @@ def test_the_wire_decoder_reads_the_media_mask():
         + np.arange(t, dtype=np.int64).tobytes() + media.tobytes()
     dec = wire.decode(body)
     assert dec.media_mask.tolist() == media.tolist() and dec.loss_mask is None
+
+
+@pytest.mark.parametrize("arch", ["KimiK25ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"])
+@pytest.mark.parametrize("kind", ["video_url", "video", "input_audio"])
+def test_a_video_or_audio_part_is_a_400_naming_the_part(arch, kind):
+    """Video is refused for every family hsx serves images for (its requests are 400s), before any
+    image of the request is decoded."""
+    from hsx_service.http.errors import STATUS
+
+    media = ChatImages(MediaLimits(), lambda: None, _Config(), arch)
+    req = _chat(img.image_part(img.data_uri(img.png())), {"type": kind, kind: {"url": "data:video/mp4;base64,AAAA"}})
+    with pytest.raises(BadInput, match=rf"messages\[0\]\.content\[1\]: '{kind}' parts are not supported") as e:
+        asyncio.run(media.take(req))
+    assert STATUS[type(e.value)] == 400

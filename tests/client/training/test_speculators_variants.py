@@ -190,6 +190,7 @@ def test_wrapper_refuses_missing_servers_before_building_a_model(tmp_path, monke
     from hsx_client.training import speculators_train
 
     monkeypatch.delenv("HSX_SERVER", raising=False)
+    capsys.readouterr()  # drop the table writer's progress bars
     rc = speculators_train.main(["--verifier-name-or-path", "x", "--data-path", str(tmp_path),
                                  "--hidden-states-backend", "hsx"])
     assert rc == 2
@@ -210,3 +211,39 @@ def test_sample_checks():
     bad[2, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or infinity"):
         check_sample(bad, torch.from_numpy(ids), ids, 4)
+
+
+def test_backend_refuses_a_table_of_image_chats_at_start(tmp_path, monkeypatch, capsys):
+    """Token ids cannot carry an image's pixels: an online run over image chats would train on
+    states of placeholders embedded as text, so it is refused before anything is built."""
+    import dataclasses
+
+    import hsx_client.training.speculators_backend as sb
+    from hsx_client.training import speculators_train
+
+    decoded = {}
+    for i, t in enumerate(LENGTHS[:3]):
+        d = make_decoded(3000 + i, t)
+        media = np.zeros(t, dtype=np.uint8)
+        if i == 1:  # the first unsupervised tokens stand for an image
+            media[np.flatnonzero(d.loss_mask == 0)[:4]] = 1
+        decoded[i] = dataclasses.replace(d, media_mask=media)
+    text, image = tmp_path / "text", tmp_path / "image"
+    fmt = get_format("speculators", states="none")
+    _write(fmt, text, _ctx(), {i: dataclasses.replace(d, media_mask=None) for i, d in decoded.items()}, tokens_only=True)
+    _write(fmt, image, _ctx(), decoded, tokens_only=True)
+
+    args = argparse.Namespace(hsx_servers="http://a:1")
+    assert sb.settings_from_args(args, str(text)).data_path == str(text)
+    with pytest.raises(ValueError, match=r"holds image chats \(4 image tokens\).*--states all"):
+        sb.settings_from_args(args, str(image))
+    (image / "hsx_format.json").unlink()  # the table's own media_mask column says it too
+    with pytest.raises(ValueError, match="holds image chats"):
+        sb.settings_from_args(args, str(image))
+
+    monkeypatch.delenv("HSX_SERVER", raising=False)
+    capsys.readouterr()  # drop the table writer's progress bars
+    rc = speculators_train.main(["--verifier-name-or-path", "x", "--data-path", str(image),
+                                 "--hidden-states-backend", "hsx", "--hsx-servers", "http://a:1"])
+    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hsx_client")]
+    assert rc == 2 and len(ours) == 1 and "holds image chats" in ours[0]

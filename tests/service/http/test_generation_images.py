@@ -117,3 +117,23 @@ def test_an_expansion_past_the_context_is_refused_before_admission():
     with pytest.raises(TooLarge, match=r"limit of 4 \(max_model_len less one token to generate\)"):
         _complete(gen, img.data_uri(img.png()))
     assert not gen.st.prefill.engine.prompts
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+    {"type": "video", "video": "file:///tmp/a.mp4"},
+], ids=["video_url", "video"])
+def test_a_video_part_is_a_400_naming_it_even_for_a_model_whose_vllm_takes_video(part):
+    """hsx takes images only: Qwen2.5-VL's vLLM model reads video, hsx's media path does not,
+    so a video part is refused by name before the tokenizer or the engine sees the chat."""
+    from hsx_service.http.errors import status_of
+
+    gen = _generator()
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What happens?"}, part]}], max_tokens=2, temperature=0)
+    ticket = SimpleNamespace(client="c", admit=lambda n: None)
+    with pytest.raises(BadInput, match=rf"messages\[0\]\.content\[1\]: '{part['type']}' parts are not supported "
+                                       r"\(hsx takes images: image_url parts\)") as e:
+        asyncio.run(gen.complete(body, "r1", ticket))
+    assert status_of(e.value) == 400
+    assert gen.st.service.tokenizer.messages is None and not gen.st.prefill.engine.prompts
