@@ -50,6 +50,8 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -195,21 +197,24 @@ class OnePassClient(HsxClient):
 
     one_pass: OnePass
 
-    async def hidden_states_response(self, body: dict[str, Any], **kw: Any) -> Any:
+    @asynccontextmanager
+    async def _on_its_server(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The states body of the sample's regenerated conversation, sent (inside the block)
+        to the server that generated it."""
         body, url = await self.one_pass.body_for(self, body)
         token = AFFINITY.set(url)
         try:
-            return await super().hidden_states_response(body, **kw)
+            yield body
         finally:
             AFFINITY.reset(token)
 
+    async def hidden_states_response(self, body: dict[str, Any], **kw: Any) -> Any:
+        async with self._on_its_server(body) as body:
+            return await super().hidden_states_response(body, **kw)
+
     async def hidden_states_stream(self, body: dict[str, Any], **kw: Any) -> Any:
-        body, url = await self.one_pass.body_for(self, body)
-        token = AFFINITY.set(url)
-        try:
+        async with self._on_its_server(body) as body:
             return await super().hidden_states_stream(body, **kw)
-        finally:
-            AFFINITY.reset(token)
 
     async def tokenize(self, body: dict[str, Any], *, request_id: str | None = None) -> dict[str, Any]:
         if body.get("require_supervised"):  # a corpus sample (--states none), not a size estimate
