@@ -49,6 +49,13 @@ def ok_response(request: httpx.Request, zstd: bool = True) -> httpx.Response:
     return httpx.Response(200, content=body, headers=headers)
 
 
+def truncated_response(request: httpx.Request) -> httpx.Response:
+    """A states response that lost its last 5 bytes (uncompressed: the wire format, not a
+    zstd frame, is what finds the damage)."""
+    r = ok_response(request, zstd=False)
+    return httpx.Response(200, content=r.content[:-5], headers={"Content-Type": wire.MEDIA_TYPE})
+
+
 def fast_client(servers, transport=None, **kw) -> HsxClient:
     kw.setdefault("backoff_base", 0.01)
     kw.setdefault("backoff_max", 0.05)
@@ -273,8 +280,7 @@ async def test_a_malformed_body_is_its_own_error_not_a_server_or_connection_erro
         if request.url.path == "/health":
             return httpx.Response(200)
         n += 1
-        r = ok_response(request, zstd=False)
-        return httpx.Response(200, content=r.content[:-5], headers={"Content-Type": wire.MEDIA_TYPE})
+        return truncated_response(request)
 
     async with fast_client(["http://a"], httpx.MockTransport(handler), max_attempts=4, max_server_errors=2,
                            unhealthy_cooldown=0.01) as c:
@@ -429,10 +435,7 @@ async def test_truncated_body_is_retried():
         if request.url.path == "/health":
             return httpx.Response(200)
         n += 1
-        r = ok_response(request, zstd=False)
-        if n == 1:
-            return httpx.Response(200, content=r.content[:-5], headers={"Content-Type": wire.MEDIA_TYPE})
-        return r
+        return truncated_response(request) if n == 1 else ok_response(request, zstd=False)
 
     async with fast_client(["http://a"], httpx.MockTransport(handler), unhealthy_cooldown=0.01) as c:
         d = await c.hidden_states(input_ids=[1, 2, 3])
