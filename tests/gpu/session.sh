@@ -34,6 +34,15 @@ remote_bench=(--client-process --codec-sample 0 --workdir /tmp/hsxb --output-dir
 # Diagnosis only: RUNNER=v1 makes vLLM >= 0.29 use its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0),
 # to tell an MRV2 problem from anything else in the same session.
 [ "${RUNNER:-}" = v1 ] && export VLLM_USE_V2_MODEL_RUNNER=0
+# The 8B Llama shape with vLLM's dummy weights and hsx's small tokenizer (vocab 1024, so every
+# generated id detokenizes), made once: the regen and one-pass benches generate on it.
+regen_llama8b() {
+    local model=/tmp/regen-llama8b
+    [ -f "$model/config.json" ] || python3 -c "from hsx_tools.tiny_model import make_tiny_model; make_tiny_model(
+        '$model', 'llama', num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
+        vocab_size=1024, max_position_embeddings=4096, dtype='bfloat16', weights=False)" >&2 || return 1
+    echo "$model"
+}
 expected_runner() {
     if [ "${RUNNER:-}" = v1 ]; then echo v1; return; fi
     python3 -c "from hsx_service.engine import vllm_compat; print(vllm_compat.cuda_default_runner('$ver'))"
@@ -144,10 +153,7 @@ onepass)
     # serve vs vllm serve from the same client.
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
-    model=/tmp/regen-llama8b
-    [ -f "$model/config.json" ] || python3 -c "from hsx_tools.tiny_model import make_tiny_model; make_tiny_model(
-        '$model', 'llama', num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
-        vocab_size=1024, max_position_embeddings=4096, dtype='bfloat16', weights=False)"
+    model=$(regen_llama8b)
     # shellcheck disable=SC2086
     python3 bench/regen_one_pass.py --model "$model" --input /tmp/gpufix/threads.messages.jsonl \
         --engine-args "--load-format dummy --dtype bfloat16 --max-model-len 4096 --gpu-memory-utilization 0.85" \
@@ -237,10 +243,7 @@ regen)
     # vllm serve with hsx's speculative config (the method's own cost, apart from hsx's).
     # shellcheck disable=SC1091
     . tests/gpu/kit/env.sh
-    model=/tmp/regen-llama8b
-    [ -f "$model/config.json" ] || python3 -c "from hsx_tools.tiny_model import make_tiny_model; make_tiny_model(
-        '$model', 'llama', num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8,
-        vocab_size=1024, max_position_embeddings=4096, dtype='bfloat16', weights=False)"
+    model=$(regen_llama8b)
     python3 bench/regen_throughput.py --model "$model" --input /tmp/gpufix/threads.messages.jsonl \
         --engine-args "--load-format dummy --max-model-len 4096 --gpu-memory-utilization 0.85" \
         --conversations "${REGEN_CONVERSATIONS:-256}" --max-tokens "${REGEN_MAX_TOKENS:-256}" --concurrency 128 \
