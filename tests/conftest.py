@@ -268,3 +268,30 @@ def pytest_terminal_summary(terminalreporter):
     for s in sorted(ENGINE_STARTS, key=lambda s: -(s.seconds or 0.0)):
         took = "not waited for" if s.seconds is None else f"{s.seconds:6.1f} s"
         terminalreporter.write_line(f"{took}  {s.name:<16} {s.by}")
+
+
+# ----------------------------------------------------------------------------- test clock
+_CLOCK: dict[str, object] = {}
+
+
+def pytest_runtest_logreport(report):
+    """HSX_TEST_CLOCK=1 (.ci/run's engine tier): one line per test as it ends, with the run's
+    clock, the test's own time (set-up, a session server's start included, call and tear-down)
+    and outcome, so a run cut off by CI's limit still shows where its time went and which tests
+    failed (the -q dots and the end summary do not)."""
+    import os
+    import time
+
+    if not os.environ.get("HSX_TEST_CLOCK"):
+        return
+    start = _CLOCK.setdefault("start", time.monotonic() - report.duration)
+    took, outcome = _CLOCK.pop(report.nodeid, (0.0, "passed"))
+    took += report.duration
+    if report.failed:
+        outcome = f"{report.when} failed" if report.when != "call" else "failed"
+    elif report.skipped and outcome == "passed":
+        outcome = "skipped"
+    if report.when != "teardown":
+        _CLOCK[report.nodeid] = (took, outcome)
+        return
+    print(f"\nclock {time.monotonic() - start:6.0f} s {took:7.1f} s  {outcome:<15} {report.nodeid}", flush=True)
