@@ -36,6 +36,7 @@ def test_ci_runs_the_fast_tier_beside_the_wheel_check_then_the_readme_s_command(
     assert "set -euo pipefail" in run and "kill $wheel_job" in run
     assert "bash scripts/test.sh" in (REPO / "README.md").read_text()
     assert sum("bash scripts/test.sh" in ln for ln in stages) == 2
+    assert "export HSX_TEST_CLOCK=1" in run  # a run cut off by the limit names its slow and failed tests
     assert "HSX_VENV=" in run and "HSX_COMPAT_VENVS=" in run  # reused between clones, stamped by what they install
     for script in ("install.sh", "compat.sh"):
         assert ".hsx-install" in (REPO / "scripts" / script).read_text()
