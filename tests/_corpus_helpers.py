@@ -54,9 +54,10 @@ def write_samples(fmt, out_dir: Path, ctx, decoded: dict, *, order=None, tokens_
     records = []
     for i in order if order is not None else list(decoded):
         d = decoded[i]
-        if tokens_only:
+        if tokens_only:  # (a TokensDecoded keeps its image chat's request)
+            extra = {"request": d.request} if hasattr(d, "request") else {}
             d = type(d)(hidden_states=None, token_ids=d.token_ids, loss_mask=d.loss_mask, metadata=d.metadata,
-                        media_mask=d.media_mask)
+                        media_mask=d.media_mask, **extra)
         so = fmt.encode_sample(i, d, ctx)
         store_files(out_dir, so.files)
         records.append((i, so.record))
