@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from hsx_client.corpus import image_requests
@@ -16,7 +15,7 @@ from hsx_client.corpus.formats import CorpusContext, get_format
 from hsx_client.corpus.formats.speculators_variants import TokensResponse
 from hsx_client.corpus.verify import renumbered_path
 
-from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, make_decoded, write_samples
+from _corpus_helpers import HIDDEN, LAYER_IDS, VOCAB, image_chat, text_chat, tokenized, write_samples
 
 LENGTHS = [9, 14, 7, 20, 11, 16]
 
@@ -24,32 +23,6 @@ LENGTHS = [9, 14, 7, 20, 11, 16]
 def _ctx():
     return CorpusContext(layer_ids=list(LAYER_IDS), hidden_size=HIDDEN, dtype="bfloat16", final_norm=None,
                          draft_vocab_size=32, vocab_size=VOCAB, mask_policy="per_turn")
-
-
-def image_chat(k: int) -> dict:
-    """A request body as the run loop sends it: images inlined, plus what only extract uses."""
-    return {"messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,iVBOR{k}w0KGgo="}},
-                {"type": "text", "text": f"What is in picture {k}?"}]},
-                         {"role": "assistant", "content": "A blue box."}],
-            "chat_template_kwargs": {"enable_thinking": False}, "max_length": 64, "truncation": "left",
-            "id": f"in.jsonl:{k}", "layers": [1, 2, 3, 5], "require_supervised": True}
-
-
-def text_chat(k: int) -> dict:
-    return {"messages": [{"role": "user", "content": f"hi {k}"}, {"role": "assistant", "content": "yo"}],
-            "id": f"in.jsonl:{k}", "require_supervised": True}
-
-
-def tokenized(seed: int, t: int, body: dict):
-    """The /tokenize answer for `body` (an image chat's first unsupervised tokens its image), decoded."""
-    d = make_decoded(seed, t)
-    out = {"token_ids": d.token_ids.tolist(), "loss_mask": d.loss_mask.tolist(), "layer_ids": LAYER_IDS}
-    if "image_url" in json.dumps(body):
-        media = np.zeros(t, dtype=np.uint8)
-        media[np.flatnonzero(d.loss_mask == 0)[:3]] = 1
-        out["media_mask"] = media.tolist()
-    return TokensResponse(out, body).decode()
 
 
 def test_the_request_file_is_written_for_image_chats_only():
