@@ -20,9 +20,10 @@ row with that file the backend posts its body (with the corpus's layers) instead
 and checks the answer the same way: the server's token ids must equal the row's (a server
 that renders the chat otherwise, another template or processor, fails the row). A row with
 image tokens (the table's media_mask) and no such file fails like any row that cannot be
-fetched. A table of image chats made by an older hsx, which stored no requests (its
-hsx_format.json has no `image_requests`), is refused when the settings are read, with one
-line: extract it again, or with its states (`--states all`) for speculators' `file` backend.
+fetched. A table of image chats without requests (its hsx_format.json has no
+`image_requests`: a full corpus, or a token table an older hsx wrote) is refused when the
+settings are read, with one line: extract it again with `--states none`, or train it with
+its states (`--states all`) through speculators' `file` backend.
 
 Which layers: those recorded in DATA/hsx_corpus.json (the servers must serve them, and
 the same model: checked once per process), else `--hsx-layers`, else all the server serves.
@@ -60,9 +61,9 @@ import numpy as np
 import torch
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
-from hsx_client.corpus import image_requests
 from hsx_client import (AuthenticationError, HsxError, LeaseExpiredError, ResponseValidationError,
                         RetriesExhaustedError, ServerError, ServersUnreachableError)
+from hsx_client.corpus import image_requests
 from hsx_client.settings import DEFAULTS, TRANSFERS
 
 log = logging.getLogger("hsx.speculators")
@@ -137,10 +138,10 @@ def image_table_problem(data_path: Path) -> str | None:
         return None
     if facts["hsx_format.json"].get(image_requests.FORMAT_FACT):
         return None  # its image rows carry their requests
-    return (f"{data_path} holds image chats ({images or 'some'} image tokens) without their requests (an older "
-            "hsx wrote it): the hsx backend would fetch a row's states by its input_ids, which cannot carry the "
-            "images; extract it again with --states none, or with --states all and train with "
-            "--hidden-states-backend file")
+    return (f"{data_path} holds image chats ({images or 'some'} image tokens) without their requests (hsx extract "
+            "--states none stores them; an older hsx did not): the hsx backend would fetch a row's states by its "
+            "input_ids, which cannot carry the images; extract it again with --states none, or with --states all "
+            "and train with --hidden-states-backend file")
 
 
 def row_request(data_path: str, file_idx: int, media: np.ndarray | None) -> dict[str, Any] | None:
