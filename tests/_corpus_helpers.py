@@ -42,6 +42,35 @@ def make_decoded(
     return Decoded(hidden_states=hs, token_ids=ids, loss_mask=mask, metadata=meta)
 
 
+# ------------------------------------------------------------------ a token table's chats (--states none)
+def image_chat(k: int) -> dict:
+    """A request body as the run loop sends it: images inlined, plus what only extract uses."""
+    return {"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,iVBOR{k}w0KGgo="}},
+                {"type": "text", "text": f"What is in picture {k}?"}]},
+                         {"role": "assistant", "content": "A blue box."}],
+            "chat_template_kwargs": {"enable_thinking": False}, "max_length": 64, "truncation": "left",
+            "id": f"in.jsonl:{k}", "layers": [1, 2, 3, 5], "require_supervised": True}
+
+
+def text_chat(k: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"hi {k}"}, {"role": "assistant", "content": "yo"}],
+            "id": f"in.jsonl:{k}", "require_supervised": True}
+
+
+def tokenized(seed: int, t: int, body: dict):
+    """The /tokenize answer for `body` (an image chat's first unsupervised tokens its image), decoded."""
+    from hsx_client.corpus.formats.speculators_variants import TokensResponse
+
+    d = make_decoded(seed, t)
+    out = {"token_ids": d.token_ids.tolist(), "loss_mask": d.loss_mask.tolist(), "layer_ids": LAYER_IDS}
+    if "image_url" in json.dumps(body):
+        media = np.zeros(t, dtype=np.uint8)
+        media[np.flatnonzero(d.loss_mask == 0)[:3]] = 1
+        out["media_mask"] = media.tolist()
+    return TokensResponse(out, body).decode()
+
+
 def store_files(out_dir: Path, files: dict[str, bytes]) -> None:
     """What the run loop's store does (store.write_files_atomic), without the manifest."""
     store.write_files_atomic(out_dir, files)
@@ -54,9 +83,10 @@ def write_samples(fmt, out_dir: Path, ctx, decoded: dict, *, order=None, tokens_
     records = []
     for i in order if order is not None else list(decoded):
         d = decoded[i]
-        if tokens_only:
+        if tokens_only:  # (a TokensDecoded keeps its image chat's request)
+            extra = {"request": d.request} if hasattr(d, "request") else {}
             d = type(d)(hidden_states=None, token_ids=d.token_ids, loss_mask=d.loss_mask, metadata=d.metadata,
-                        media_mask=d.media_mask)
+                        media_mask=d.media_mask, **extra)
         so = fmt.encode_sample(i, d, ctx)
         store_files(out_dir, so.files)
         records.append((i, so.record))

@@ -214,6 +214,21 @@ def request_has_images(body: dict) -> bool:
         for m in msgs)
 
 
+def remote_images(body: dict) -> bool:
+    """A request with an image at an http(s) URL (its server fetches it, when allowed)."""
+    msgs = body.get("messages")
+    return isinstance(msgs, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in _PART_TYPES
+                and str(_url(p)).lower().startswith(("http://", "https://")) for p in m["content"])
+        for m in msgs)
+
+
+def _url(part: dict) -> Any:
+    value = part.get("image_url", part.get("image"))
+    return value.get("url", "") if isinstance(value, dict) else value
+
+
 def needs_inlining(body: dict) -> bool:
     return _local_urls(body.get("messages"))
 

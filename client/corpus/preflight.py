@@ -99,17 +99,18 @@ def wants_final_norm(fmt: CorpusFormat, info: dict[str, Any]) -> bool:
 
 
 def check_states_for_images(fmt: CorpusFormat, samples: planning.Samples) -> None:
-    """A token table (`--states none`) of image chats is refused: the online backend asks the
-    servers for a row's states by its token ids, which cannot carry the images (the image
-    tokens would be embedded as text), so its states would silently not be the chat's."""
+    """A token table (`--states none`) stores an image chat's request for the online backend
+    to send again while it trains (client/corpus/image_requests.py): an image given as a file
+    or data: URI is in that request, but one at an http(s) URL is not (a server fetches it,
+    when its operator allows): it may have changed or gone by then, so such chats are refused."""
     if getattr(fmt, "needs_states", True):
         return
-    n = sum(1 for s in samples.by_key.values() if images.request_has_images(s.request))
+    n = sum(1 for s in samples.by_key.values() if images.remote_images(s.request))
     if n:
         raise ConfigError(
-            f"{n} planned sample(s) are chats with images, and --states none writes token ids only: the online "
-            "backend asks the servers for each row's states by its ids, which cannot carry the images. Extract "
-            "image chats with their states (leave out --states none)"
+            f"{n} planned sample(s) are chats with images at http(s) URLs, and --states none stores each image "
+            "chat's request for the online backend to send again while it trains, where a remote image may have "
+            "changed or gone: give the images as files or data: URIs, or extract with states (leave out --states none)"
         )
 
 

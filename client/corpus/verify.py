@@ -81,7 +81,7 @@ def verify_samples(
 
 def _sample_path_fns(fmt: Any) -> list[Callable[[int], str]]:
     """The format's per-sample path functions (index -> relative path)."""
-    return [fn for fn in (getattr(fmt, attr, None) for attr in ("hs_path", "ckpt_path")) if fn is not None]
+    return [fn for fn in (getattr(fmt, attr, None) for attr in ("hs_path", "ckpt_path", "request_path")) if fn is not None]
 
 
 def _format_paths_outside(fmt: Any, out: Path, index: int) -> list[str]:

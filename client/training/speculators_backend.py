@@ -12,12 +12,18 @@ leases), so the states are exactly those of the row's tokens; it checks that the
 token ids equal the row's, that the states are [T, L, H] with the corpus's layers, and
 that they are finite (speculators' cached path checks none of this).
 
-Image chats: a table made from chats with images (its hsx_format.json counts image tokens,
-or the table has a media_mask column) is refused when the settings are read, with one line:
-this backend asks the servers for a row's states by its `input_ids`, and token ids alone
-cannot carry the pixels, so the server would embed the image placeholders as text tokens
-and return states that are not the image chat's. Such corpora are extracted with their
-states (`--states all`) and trained with speculators' `file` backend.
+Image chats: token ids alone cannot carry an image's pixels (a server given a row's
+`input_ids` embeds its image tokens as text), so `hsx extract --states none` stores an image
+chat's request beside its row (`token_ids/request_{i}.json`: the body the server tokenized,
+images as data: URIs, max_length and truncation; hsx_client.corpus.image_requests). For a
+row with that file the backend posts its body (with the corpus's layers) instead of the ids,
+and checks the answer the same way: the server's token ids must equal the row's (a server
+that renders the chat otherwise, another template or processor, fails the row). A row with
+image tokens (the table's media_mask) and no such file fails like any row that cannot be
+fetched. A table of image chats without requests (its hsx_format.json has no
+`image_requests`: a full corpus, or a token table an older hsx wrote) is refused when the
+settings are read, with one line: extract it again with `--states none`, or train it with
+its states (`--states all`) through speculators' `file` backend.
 
 Which layers: those recorded in DATA/hsx_corpus.json (the servers must serve them, and
 the same model: checked once per process), else `--hsx-layers`, else all the server serves.
@@ -57,6 +63,7 @@ from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 
 from hsx_client import (AuthenticationError, HsxError, LeaseExpiredError, ResponseValidationError,
                         RetriesExhaustedError, ServerError, ServersUnreachableError)
+from hsx_client.corpus import image_requests
 from hsx_client.settings import DEFAULTS, TRANSFERS
 
 log = logging.getLogger("hsx.speculators")
@@ -118,7 +125,8 @@ def settings_from_args(args: argparse.Namespace, data_path: str) -> HsxSettings:
 
 
 def image_table_problem(data_path: Path) -> str | None:
-    """Why the table at `data_path` cannot be trained online (it holds image chats), or None."""
+    """Why the table at `data_path` cannot be trained online (it holds image chats and, made
+    by an older hsx, not the requests they were tokenized from), or None."""
     facts: dict[str, Any] = {}
     for name in ("hsx_format.json", "dataset_info.json"):
         try:
@@ -128,9 +136,25 @@ def image_table_problem(data_path: Path) -> str | None:
     images = int(facts["hsx_format.json"].get("num_media_tokens") or 0)
     if not images and "media_mask" not in (facts["dataset_info.json"].get("features") or {}):
         return None
-    return (f"{data_path} holds image chats ({images or 'some'} image tokens): the hsx backend fetches a row's states "
-            "by its input_ids, which cannot carry the images; extract them with --states all and train with "
-            "--hidden-states-backend file")
+    if facts["hsx_format.json"].get(image_requests.FORMAT_FACT):
+        return None  # its image rows carry their requests
+    return (f"{data_path} holds image chats ({images or 'some'} image tokens) without their requests (hsx extract "
+            "--states none stores them; an older hsx did not): the hsx backend would fetch a row's states by its "
+            "input_ids, which cannot carry the images; extract it again with --states none, or with --states all "
+            "and train with --hidden-states-backend file")
+
+
+def row_request(data_path: str, file_idx: int, media: np.ndarray | None) -> dict[str, Any] | None:
+    """The request row `file_idx` was tokenized from (an image chat's), None for a text row;
+    ValueError when its file is unreadable, or missing for a row with image tokens."""
+    rel = image_requests.request_path(file_idx)
+    path = Path(data_path) / rel
+    if path.exists():
+        return image_requests.read(path)
+    if media is not None and media.any():
+        raise ValueError(f"the row has {int(media.sum())} image tokens and no {rel} (the request they were "
+                         "tokenized from): its input_ids cannot carry the images")
+    return None
 
 
 async def _receive(stream: Any) -> tuple[torch.Tensor, Any]:
@@ -146,10 +170,14 @@ async def _receive(stream: Any) -> tuple[torch.Tensor, Any]:
     return hs, await stream.head()
 
 
+class TokenMismatch(ValueError):
+    """The server's token ids for a row are not the row's."""
+
+
 def check_sample(hs: torch.Tensor, token_ids: torch.Tensor, row_ids: np.ndarray, num_layers: int | None) -> None:
     """Raise ValueError unless the states fit the row: same token ids, [T, L, H], finite."""
     if token_ids.shape != (len(row_ids),) or not np.array_equal(token_ids.numpy(), row_ids):
-        raise ValueError(f"the server returned other token ids than the row's ({tuple(token_ids.shape)[0]} vs {len(row_ids)})")
+        raise TokenMismatch(f"the server returned other token ids than the row's ({tuple(token_ids.shape)[0]} vs {len(row_ids)})")
     if hs.ndim != 3 or hs.shape[0] != len(row_ids) or (num_layers is not None and hs.shape[1] != num_layers):
         raise ValueError(f"states of shape {tuple(hs.shape)} for {len(row_ids)} tokens and {num_layers} layers")
     if not bool(torch.isfinite(hs).all()):
@@ -165,7 +193,9 @@ class _Runtime:
         from hsx_client import HsxClient
 
         self.pid = os.getpid()
-        self.table = load_from_disk(s.data_path).with_format("numpy", columns=["input_ids"])
+        table = load_from_disk(s.data_path)
+        self.columns = [c for c in ("input_ids", "media_mask") if c in table.column_names]
+        self.table = table.with_format("numpy", columns=self.columns)
         self.client = HsxClient(list(s.servers), api_key=s.api_key, timeout=s.timeout,
                                 max_attempts=s.max_attempts, transfer=s.transfer, concurrency_per_server=4)
         self.loop = asyncio.new_event_loop()
@@ -253,9 +283,11 @@ class HsxTransfer(HiddenStatesTransfer):
         rt = self._runtime()
         if not 0 <= file_idx < len(rt.table):
             raise IndexError(f"row {file_idx} is outside the table of {len(rt.table)} rows at {self.settings.data_path}")
-        row_ids = np.asarray(rt.table[int(file_idx)]["input_ids"], dtype=np.int64)
+        row = rt.table[int(file_idx)]
+        row_ids = np.asarray(row["input_ids"], dtype=np.int64)
         try:
-            return rt.call(self._fetch(rt, int(file_idx), row_ids))
+            request = row_request(self.settings.data_path, int(file_idx), row.get("media_mask"))
+            return rt.call(self._fetch(rt, int(file_idx), row_ids, request))
         except (AuthenticationError, HsxSetupError):
             raise
         except ServersUnreachableError as exc:  # no server ever answered: infrastructure, not this row
@@ -267,8 +299,11 @@ class HsxTransfer(HiddenStatesTransfer):
         except (HsxError, ValueError) as exc:
             return self._unavailable(file_idx, exc)
 
-    async def _fetch(self, rt: _Runtime, file_idx: int, row_ids: np.ndarray) -> dict[str, torch.Tensor]:
-        body: dict[str, Any] = {"input_ids": row_ids.tolist(), "id": f"row-{file_idx}"}
+    async def _fetch(self, rt: _Runtime, file_idx: int, row_ids: np.ndarray,
+                     request: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """`request`: an image chat's stored body, posted instead of the row's ids."""
+        body: dict[str, Any] = {**request} if request is not None else {"input_ids": row_ids.tolist()}
+        body["id"] = f"row-{file_idx}"
         if rt.layers is not None:
             body["layers"] = rt.layers
         lease_ok = True
@@ -294,7 +329,14 @@ class HsxTransfer(HiddenStatesTransfer):
             finally:
                 await stream.aclose()
             ids = torch.from_numpy(np.array(head.token_ids, dtype=np.int64))
-            check_sample(hs, ids, row_ids, rt.num_layers)
+            try:
+                check_sample(hs, ids, row_ids, rt.num_layers)
+            except TokenMismatch as exc:
+                if request is None:
+                    raise
+                raise ValueError(f"{exc}, for the chat of {image_requests.request_path(file_idx)}: the servers "
+                                 "render it otherwise than when the table was made (another template or "
+                                 "processor?)") from None
             return {"hidden_states": hs, "token_ids": ids}
         raise LeaseExpiredError(f"the lease expired {_LEASE_REDOS} times: raise the server's --lease-timeout "
                                 "or use --hsx-transfer http")

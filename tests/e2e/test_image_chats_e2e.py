@@ -4,7 +4,8 @@ from matplotlib's sample data, questions and answers of ours) in its three input
 column) through `hsx extract` against one real `hsx serve` of a tiny Kimi-K2.5, `hsx verify`,
 and both trainers' own readers: speculators' ArrowDataset and SpecForge's offline eagle3
 reader. Every image's tokens are in the corpus as the target's image token id, marked by the
-media mask, never supervised; a sample's states are the server's for the same chat."""
+media mask, never supervised; a sample's states are the server's for the same chat, and so
+are those the online `hsx` backend fetches for a `--states none` table's image rows."""
 
 from __future__ import annotations
 
@@ -119,6 +120,39 @@ def test_a_corpus_sample_holds_the_servers_states_for_its_chat(kimi_server, inpu
     got = load_file(str(out / "hidden_states" / "hs_0.safetensors"))
     assert torch.equal(got["token_ids"], want["token_ids"])
     assert torch.equal(got["hidden_states"], want["hidden_states"])
+
+
+def test_a_token_table_of_image_chats_gives_the_online_backend_their_states(kimi_server, inputs, tmp_path):
+    """`--states none` of the OpenAI rows (images by relative path and as a data URI, two in one
+    chat, one chat with a text-only first turn): every image row stores its request, and the
+    `hsx` backend, posting it (the text row: its ids), gets the states a `--states all` extract
+    of the same chats stored, row for row."""
+    pytest.importorskip("hs_connectors", reason="speculators' hs_connectors is not installed")
+    from safetensors.torch import load_file
+
+    from hsx_client.training.speculators_backend import HsxSettings, HsxTransfer
+
+    args = ["--format", "speculators", "--input", inputs[0], "--no-shuffle"]
+    full, tokens = tmp_path / "full", tmp_path / "tokens"
+    run_extract([kimi_server], full, *args, timeout=600)
+    s = run_extract([kimi_server], tokens, *args, "--states", "none", timeout=600)
+    turns = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in chats.openai_rows())
+    assert s["status"] == "complete" and s["done"] == turns, s
+    assert_verify_ok(tokens)
+    assert len(list(tokens.glob("token_ids/request_*.json"))) == s["done"] - 1  # all but the text-only turn
+    t = HsxTransfer(HsxSettings(servers=(kimi_server.url,), data_path=str(tokens), transfer="http", on_missing="raise"))
+    worst = 0.0
+    try:
+        for i in range(s["done"]):
+            got, want = t.get_cached(i), load_file(str(full / "hidden_states" / f"hs_{i}.safetensors"))
+            assert torch.equal(got["token_ids"], want["token_ids"]), i
+            assert got["hidden_states"].dtype == want["hidden_states"].dtype, i
+            a, b = got["hidden_states"].float(), want["hidden_states"].float()
+            worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item())
+    finally:
+        t.close()
+    # the same server, model and chats: in fp32 equal to float noise; bf16 (an AMX CPU) to its rounding
+    assert worst <= (1e-5 if chats.kimi_dtype() == "float32" else 1e-2), worst
 
 
 def test_regenerated_image_chats_extract_into_a_verified_corpus(kimi_server, inputs, tmp_path):

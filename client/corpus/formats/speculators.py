@@ -72,6 +72,11 @@ class SpeculatorsFormat(Eagle3Format):
     def hs_path(index: int) -> str:
         return f"hidden_states/hs_{int(index)}.safetensors"
 
+    def extra_paths(self, index: int) -> list[str]:
+        """Files a sample may have besides hs_path (none here; a token table's image chats
+        have their request file), moved with it by the compaction."""
+        return []
+
     def bytes_per_token(self, ctx: CorpusContext) -> float:
         # states + token id in the hs file, input_ids + loss_mask (int64) in the table
         return state_bytes_per_token(ctx) + 8 + 16
@@ -127,14 +132,30 @@ class SpeculatorsFormat(Eagle3Format):
         elif moves:
             store.write_file_atomic(journal, json.dumps({"num_samples": m, "moves": moves}).encode())
         for old, new in moves:
-            src, dst = out_dir / self.hs_path(old), out_dir / self.hs_path(new)
-            if src.exists():
-                os.replace(src, dst)
-            elif not dst.exists():
-                raise CorpusFormatError(f"sample {old} has no file {src} (and {dst} is absent)")
+            self._move(out_dir, old, new)
         if moves:
-            store.fsync_dir((out_dir / self.hs_path(0)).parent)
+            for d in {(out_dir / rel).parent for rel in [self.hs_path(0), *self.extra_paths(0)]}:
+                if d.exists():
+                    store.fsync_dir(d)
         return moves
+
+    def _move(self, out_dir: Path, old: int, new: int) -> None:
+        """One compaction move: the sample file, then its extra files (those it has). The
+        sample file goes first, so while it is still under its old name no extra file has
+        moved yet: an extra file found then under the new name is a stale one of the sample
+        that failed there (written, never recorded), removed, not taken for this one's."""
+        src, dst = out_dir / self.hs_path(old), out_dir / self.hs_path(new)
+        extras = [(out_dir / a, out_dir / b) for a, b in zip(self.extra_paths(old), self.extra_paths(new))]
+        if src.exists():
+            for x_src, x_dst in extras:
+                if not x_src.exists() and x_dst.exists():
+                    x_dst.unlink()
+            os.replace(src, dst)
+        elif not dst.exists():
+            raise CorpusFormatError(f"sample {old} has no file {src} (and {dst} is absent)")
+        for x_src, x_dst in extras:  # a rerun after a crash between the two finds the extra still here
+            if x_src.exists():
+                os.replace(x_src, x_dst)
 
     def finalize(self, out_dir: Path, records: list[tuple[int, dict]], ctx: CorpusContext) -> list[str]:
         """Write the table (rows 0..m-1), vocab files and hsx_format.json; see the class doc."""

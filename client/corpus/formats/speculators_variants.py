@@ -6,10 +6,14 @@
                                    truncation as in a full run, no engine pass)
     data-*.arrow, dataset_info.json, state.json, token_freq.pt, d2t/t2d, hsx_format.json
                                    exactly as in a full corpus (same rows, same order)
+    token_ids/request_{i}.json     only for a sample whose request has images: the body the
+                                   server tokenized, images as data: URIs (client/corpus/
+                                   image_requests.py); token ids alone cannot carry pixels
     No hidden_states/ directory: speculators' `file` backend finds no row there; the
     `hsx` backend (hsx_client.training.speculators_backend) fetches each row's states from the
-    servers instead. The per-sample id files make the run crash-safe and resumable like a
-    full one (stored atomically, checksummed in the manifest, read back by finalize).
+    servers instead (an image chat's by its request file). The per-sample files make the run
+    crash-safe and resumable like a full one (stored atomically, checksummed in the manifest,
+    the ids read back by finalize, both moved by its compaction).
 
 `--dtype fp8`: what speculators' `fp8` backend reads (hs_connectors 0.9, FP8Transfer)
     hidden_states/hs_{i}.safetensors  {"hidden_states": float8_e4m3fn [T, L, H],
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +44,7 @@ import torch
 
 from hsx import wire
 
+from hsx_client.corpus import image_requests, images
 from hsx_client.corpus.formats.common import (
     CorpusContext, CorpusFormatError, SampleOutput, check_decoded, check_layout, check_tokens, make_record,
     record_problems,
@@ -87,19 +93,31 @@ class SpeculatorsTokensFormat(SpeculatorsFormat):
 
     streams = False  # no states in its files: today's whole path
 
-    format_facts = {"states": "none", "train_with": "--hidden-states-backend hsx (python -m hsx_client.training.speculators_train)"}
+    format_facts = {"states": "none", "train_with": "--hidden-states-backend hsx (python -m hsx_client.training.speculators_train)",
+                    image_requests.FORMAT_FACT: image_requests.REQUEST_PATH}
     needs_states = False
 
     @staticmethod
     def hs_path(index: int) -> str:
         return f"token_ids/ids_{int(index)}.safetensors"
 
+    @staticmethod
+    def request_path(index: int) -> str:
+        """An image chat's request file (verify and merge renumber it with the row)."""
+        return image_requests.request_path(index)
+
+    def extra_paths(self, index: int) -> list[str]:
+        return [self.request_path(index)]
+
     def bytes_per_token(self, ctx: CorpusContext) -> float:
-        return 8 + 16  # the id file, the table's input_ids + loss_mask
+        # the id file, the table's input_ids + loss_mask (an image chat's request file, its
+        # images' base64, is not counted: its size follows the images, not the tokens)
+        return 8 + 16
 
     async def fetch(self, client, body: dict, lease_ok: bool = True) -> "TokensResponse":
-        """What the run loop asks the servers for: POST /tokenize, not /hidden_states."""
-        return TokensResponse(await client.tokenize(body))
+        """What the run loop asks the servers for: POST /tokenize, not /hidden_states (the
+        body, its images inlined, kept for an image chat's request file)."""
+        return TokensResponse(await client.tokenize(body), body)
 
     def encode_sample(self, index: int, decoded: wire.Decoded, ctx: CorpusContext) -> SampleOutput:
         problem = self.layer_problem(list(ctx.layer_ids), None, list(ctx.layer_ids))
@@ -107,20 +125,33 @@ class SpeculatorsTokensFormat(SpeculatorsFormat):
             raise CorpusFormatError(problem)
         ids, mask, source = check_tokens(decoded, ctx)
         ids = np.ascontiguousarray(ids, dtype="<i8")
-        parts = sample_file_parts(ctx, [("token_ids", "I64", ids)])
-        return SampleOutput({self.hs_path(index): parts}, make_record(ids, mask, source, ctx, getattr(decoded, "media_mask", None)))
+        files = {self.hs_path(index): sample_file_parts(ctx, [("token_ids", "I64", ids)])}
+        request = getattr(decoded, "request", None)
+        if request is not None:  # an image chat: what the online backend sends for its states
+            files[self.request_path(index)] = image_requests.encode(request)
+        return SampleOutput(files, make_record(ids, mask, source, ctx, getattr(decoded, "media_mask", None)))
 
     def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]:
-        return verify_layout(out_dir, self.hs_path(index), record, {"token_ids": ([record.get("num_tokens")], "I64")})
+        probs = verify_layout(out_dir, self.hs_path(index), record, {"token_ids": ([record.get("num_tokens")], "I64")})
+        return probs + image_requests.problems(out_dir, index, record)
+
+
+@dataclass
+class TokensDecoded(wire.Decoded):
+    """A /tokenize answer decoded, with the request of an image chat (None for text)."""
+
+    request: dict | None = None
 
 
 class TokensResponse:
-    """A /tokenize answer in the shape the run loop stores (no states, no lease)."""
+    """A /tokenize answer in the shape the run loop stores (no states, no lease); `body`:
+    the request it answers, kept only when it has images (image_requests)."""
 
     lease = None
 
-    def __init__(self, out: dict) -> None:
+    def __init__(self, out: dict, body: dict | None = None) -> None:
         self.out = out
+        self.request = body if body is not None and images.request_has_images(body) else None
         self.request_id = out.get("request_id")
         self.wire_bytes = 0
 
@@ -129,9 +160,10 @@ class TokensResponse:
         mask, media = self.out.get("loss_mask"), self.out.get("media_mask")
         meta = {"layer_ids": json.dumps(self.out.get("layer_ids", [])), "model": str(self.out.get("model", "")),
                 "num_input_tokens": self.out.get("num_input_tokens")}  # the run counts what was cut
-        return wire.Decoded(hidden_states=None, token_ids=ids,
-                            loss_mask=None if mask is None else np.asarray(mask, dtype=np.uint8), metadata=meta,
-                            media_mask=None if media is None else np.asarray(media, dtype=np.uint8))
+        return TokensDecoded(hidden_states=None, token_ids=ids,
+                             loss_mask=None if mask is None else np.asarray(mask, dtype=np.uint8), metadata=meta,
+                             media_mask=None if media is None else np.asarray(media, dtype=np.uint8),
+                             request=self.request)
 
 
 class SpeculatorsFp8Format(SpeculatorsFormat):

@@ -9,9 +9,11 @@ import base64
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 import _image_chats as chats
+from _first_hour import InfoServer
 from hsx_client.corpus import images
 from hsx_client.corpus.inputs import read_samples
 
@@ -121,20 +123,82 @@ def test_an_empty_image_field_is_a_text_row(tmp_path):
     assert not bad and [s.request["messages"][0]["content"] for s in samples] == ["Hi"] * 3
 
 
-def test_a_token_table_of_image_chats_is_refused_before_any_sample(tmp_path):
-    """--states none writes ids only, and the online backend asks for a row's states by its ids,
-    which cannot carry the images: refused at start, one line, the output left as it was."""
-    import httpx
+class TokenizingServer(InfoServer):
+    """InfoServer with a /tokenize of its own: each text part a few ids, each image four
+    image tokens (id 99, media mask 1), the assistant's tokens supervised; records the
+    bodies it tokenized."""
 
+    def __init__(self, **info):
+        super().__init__(**info)
+        self.tokenized: list[dict] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/tokenize":
+            return super().__call__(request)
+        body = json.loads(request.content)
+        self.tokenized.append(body)
+        ids, loss, media = [], [], []
+        for m in body["messages"]:
+            parts = m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            for part in parts:
+                image = part["type"] == "image_url"
+                n = 4 if image else 1 + len(part["text"]) // 8
+                ids += [99] * n if image else [(len(ids) + 7 * k) % 90 + 1 for k in range(n)]
+                loss += [int(m["role"] == "assistant")] * n
+                media += [int(image)] * n
+        return httpx.Response(200, json={"token_ids": ids, "loss_mask": loss, "media_mask": media,
+                                         "num_input_tokens": len(ids), "layer_ids": [1, 2, 3, 4]})
+
+
+def _extract_tokens(tmp_path, inputs: Path, srv):
     from hsx_client.corpus import extract as ex
     from hsx_client.corpus.formats import get_format
     from _extract_fakes import FakeCtx, cfg_for
-    from _first_hour import InfoServer, refused_and_untouched
 
-    root = chats.write_fixture(tmp_path / "chats")
     out = tmp_path / "out"
-    srv = InfoServer(layer_ids=[1, 2, 3, 4], chat_template_sha256="abc")
-    cfg = cfg_for(root / "openai.jsonl", out, format="speculators", states="none")
+    cfg = cfg_for(inputs, out, format="speculators", states="none")
     hooks = ex.Hooks(read_samples=read_samples, get_format=get_format, make_context=FakeCtx)
-    r = ex.run_extract(cfg, hooks, transport=httpx.MockTransport(srv))
-    refused_and_untouched(r, out, srv, r"chats with images, and --states none writes token ids only")
+    return out, ex.run_extract(cfg, hooks, transport=httpx.MockTransport(srv))
+
+
+def test_a_token_table_stores_each_image_chats_request_beside_its_ids(tmp_path, fixture_dir):
+    """--states none: the request the server tokenized (images read from their paths into data
+    URIs, as sent) is stored for every image chat and for no text one; verify checks it."""
+    from hsx_client.corpus import image_requests, journal, store
+    from hsx_client.corpus.verify import verify_corpus
+
+    srv = TokenizingServer(layer_ids=[1, 2, 3, 4], chat_template_sha256="abc")
+    out, r = _extract_tokens(tmp_path, fixture_dir / "openai.jsonl", srv)
+    assert r.exit_code == 0 and r.summary["done"] == 6, r.summary
+    entries, _, _ = journal.read_jsonl(out / store.MANIFEST_NAME)
+    with_images = 0
+    for e in journal.latest_by_index(entries).values():
+        rel = image_requests.request_path(e["index"])
+        assert (rel in e["files"]) == bool(e["record"].get("num_media")), e
+        if rel in e["files"]:
+            with_images += 1
+            body = json.loads((out / rel).read_text())
+            assert {"id", "layers", "require_supervised"}.isdisjoint(body) and body["truncation"] and body["max_length"]
+            assert all(u.startswith("data:image/") for u in _image_urls(body["messages"]))
+            assert body["messages"] in [b["messages"] for b in srv.tokenized]  # what the server tokenized
+    assert with_images == 5  # every sample but the first turn of the chat whose image comes second
+    assert verify_corpus(out)["ok"]
+    victim = next(e for e in journal.latest_by_index(entries).values() if e["record"].get("num_media"))
+    (out / image_requests.request_path(victim["index"])).unlink()
+    (bad,) = verify_corpus(out)["bad"]
+    assert bad["index"] == victim["index"] and any("request_" in p for p in bad["problems"]), bad
+
+
+def test_a_token_table_of_chats_with_remote_images_is_refused_before_any_sample(tmp_path):
+    """A remote image is not in the request the token table stores (the server fetches it,
+    when allowed): the online backend could get another image, so --states none refuses it."""
+    from _first_hour import refused_and_untouched
+
+    path = tmp_path / "remote.jsonl"
+    row = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, {"type": "text", "text": "What?"}]},
+        {"role": "assistant", "content": "A cat."}]}
+    path.write_text(json.dumps(row) + "\n")
+    srv = InfoServer(layer_ids=[1, 2, 3, 4], chat_template_sha256="abc")
+    out, r = _extract_tokens(tmp_path, path, srv)
+    refused_and_untouched(r, out, srv, r"1 planned sample\(s\) are chats with images at http\(s\) URLs, and --states none")

@@ -213,10 +213,12 @@ def test_sample_checks():
         check_sample(bad, torch.from_numpy(ids), ids, 4)
 
 
-def test_backend_refuses_a_table_of_image_chats_at_start(tmp_path, monkeypatch, capsys):
-    """Token ids cannot carry an image's pixels: an online run over image chats would train on
-    states of placeholders embedded as text, so it is refused before anything is built."""
+def test_backend_refuses_an_older_table_of_image_chats_at_start(tmp_path, monkeypatch, capsys):
+    """Token ids cannot carry an image's pixels: a table of image chats whose rows carry no
+    request (made by an hsx before the request files) would train on states of placeholders
+    embedded as text, so it is refused before anything is built. One made now is not."""
     import dataclasses
+    import json
 
     import hsx_client.training.speculators_backend as sb
     from hsx_client.training import speculators_train
@@ -235,7 +237,11 @@ def test_backend_refuses_a_table_of_image_chats_at_start(tmp_path, monkeypatch, 
 
     args = argparse.Namespace(hsx_servers="http://a:1")
     assert sb.settings_from_args(args, str(text)).data_path == str(text)
-    with pytest.raises(ValueError, match=r"holds image chats \(4 image tokens\).*--states all"):
+    assert sb.settings_from_args(args, str(image)).data_path == str(image)  # its image rows have their requests
+    facts = json.loads((image / "hsx_format.json").read_text())
+    del facts["image_requests"]  # as an older hsx wrote it
+    (image / "hsx_format.json").write_text(json.dumps(facts))
+    with pytest.raises(ValueError, match=r"holds image chats \(4 image tokens\) without their requests.*--states all"):
         sb.settings_from_args(args, str(image))
     (image / "hsx_format.json").unlink()  # the table's own media_mask column says it too
     with pytest.raises(ValueError, match="holds image chats"):
