@@ -255,6 +255,30 @@ def e2e_pool(tmp_path_factory):
         pool.stop_all()
 
 
+# ----------------------------------------------------------------------------- one core per worker
+def pytest_configure(config):
+    """Under pytest-xdist with at most one worker per core (HSX_TEST_WORKERS=2 on the 2-core CI
+    box), each worker's engines compute on cores of their own: VLLM_CPU_OMP_THREADS_BIND set in
+    the worker's environment, which every server, CLI and bench it starts inherits. Without it
+    every engine binds its OpenMP threads to the same core (vLLM's auto binding after the one
+    reserved core), so two workers' engines computing at once took turns on one core while the
+    other idled. A value the user set is kept; test_parallel.py's TP/DP servers drop it (hsx
+    splits the cores across their ranks itself)."""
+    import os
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if not worker.startswith("gw") or count < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if count > len(cpus):
+        return
+    share = len(cpus) // count
+    index = int(worker[2:])
+    mine = cpus[index * share:(index + 1) * share]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+
+
 # ----------------------------------------------------------------------------- engine census
 def pytest_terminal_summary(terminalreporter):
     """How many `hsx serve` engines this run started and how long each took to be ready:
