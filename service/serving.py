@@ -79,7 +79,8 @@ class HiddenStatesService:
         # templating or tokenizing, on every route that takes text (text_bounds.py).
         self.max_text_bytes = settings.max_text_bytes or default_max_text_bytes(self.max_tokens)
         self.media = ChatImages(MediaLimits.from_settings(settings), lambda: prefill.engine,
-                                getattr(getattr(prefill, "vllm_config", None), "model_config", None), f.architecture)
+                                getattr(getattr(prefill, "vllm_config", None), "model_config", None), f.architecture,
+                                settings.request_timeout)
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,
                                      settings.zstd_level, frame_threads=settings.zstd_frame_threads)
         self.leases: Leases | None = None

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hsx_service.chat_content import IMAGE_PLACEHOLDER
-from hsx_service.core.errors import BadInput, TooLarge
+from hsx_service.core.errors import BadInput, EngineTimeout, TooLarge
 from hsx_service.media.limits import MediaLimits
 from hsx_service.media.parts import IMAGE_PART_TYPES, find_images, load_images
 from hsx_service.tokenize import Encoded
@@ -28,8 +28,12 @@ DECODE_THREADS = 2  # image decoding's own threads: a burst of images waits here
 
 
 class ChatImages:
-    def __init__(self, limits: MediaLimits, engine_getter, model_config: Any = None, architecture: str = ""):
+    def __init__(self, limits: MediaLimits, engine_getter, model_config: Any = None, architecture: str = "",
+                 timeout: float | None = None):
         self.limits = limits
+        # --request-timeout: the processor's expansion (resizing, patching, in this process) is
+        # bounded like the engine's prefill, where the vision encoder then runs under it.
+        self.timeout = timeout
         self._engine = engine_getter  # the AsyncLLM, once started
         self.multimodal = bool(getattr(model_config, "is_multimodal_model", False))
         self.architecture = architecture
@@ -71,9 +75,13 @@ class ChatImages:
         try:
             # Not through vLLM's processor cache: an item it caches here is taken as sent to the engine,
             # which a /tokenize or a request refused before the engine never does ("P0/P1 cache drift").
-            (engine_input,) = await renderer.render_cmpl_async([prompt], skip_mm_cache=True)
+            (engine_input,) = await asyncio.wait_for(renderer.render_cmpl_async([prompt], skip_mm_cache=True),
+                                                     self.timeout)
         except (ValueError, TypeError, KeyError) as exc:  # vLLM's input checks, the processor's own
             raise BadInput(f"the model's processor refused the images: {exc}") from None
+        except asyncio.TimeoutError:
+            raise EngineTimeout(f"the model's processor did not expand the images within {self.timeout:g}s "
+                                "(--request-timeout)") from None
         ids = list(engine_input["prompt_token_ids"])
         ranges = sorted((p.offset, p.length) for items in engine_input.get("mm_placeholders", {}).values()
                         for p in items)

@@ -11,7 +11,7 @@ import pytest
 
 import _images as img
 from hsx_service.chat_content import IMAGE_PLACEHOLDER, content_format, normalize_messages
-from hsx_service.core.errors import BadInput, TooLarge
+from hsx_service.core.errors import BadInput, EngineTimeout, TooLarge
 from hsx_service.core.schema import HiddenStatesRequest
 from hsx_service.media.chat_images import ChatImages, expand_masks
 from hsx_service.media.limits import MediaLimits
@@ -91,6 +91,25 @@ def test_a_truncated_chat_with_images_is_refused():
     media = ChatImages(MediaLimits(), lambda: None, _Config(), "KimiK25ForConditionalGeneration")
     with pytest.raises(TooLarge, match="a chat with images is not truncated"):
         asyncio.run(media.expand(Encoded([1, PAD], None, "none"), ["img"], input_tokens=5, limit=2))
+
+
+def test_the_processors_expansion_is_bounded_by_the_request_timeout():
+    """--request-timeout covers the images' whole path: the processor here (the vision encoder
+    then runs in the engine's prefill, under the same timeout); a 504 naming the flag."""
+    from hsx_service.http.errors import STATUS
+    from hsx_service.tokenize import Encoded
+
+    class SlowRenderer:
+        async def render_cmpl_async(self, prompts, skip_mm_cache):
+            await asyncio.sleep(30)
+
+    class Engine:
+        renderer = SlowRenderer()
+
+    media = ChatImages(MediaLimits(), lambda: Engine(), _Config(), "KimiK25ForConditionalGeneration", timeout=0.05)
+    with pytest.raises(EngineTimeout, match=r"did not expand the images within 0.05s \(--request-timeout\)") as e:
+        asyncio.run(media.expand(Encoded([1, PAD], None, "none"), ["img"], input_tokens=2, limit=100))
+    assert STATUS[type(e.value)] == 504
 
 
 def test_the_wire_decoder_reads_the_media_mask():
