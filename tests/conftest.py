@@ -159,7 +159,11 @@ def pytest_collection_modifyitems(session, config, items):
         item.add_marker(pytest.mark.xdist_group(group))
     # Longest groups first (scripts/test.sh passes --no-loadscope-reorder, so workers take
     # them in this order): the slowest ones never start last beside an idle worker.
-    if not hasattr(config, "workerinput"):  # one process: the modules' own order
+    if not hasattr(config, "workerinput"):  # one process: the modules' own order, each group in one stretch
+        first: dict[str, int] = {}
+        for i, item in enumerate(items):
+            first.setdefault(groups[item], i)
+        items.sort(key=lambda item: first[groups[item]])  # stable (GROUP_SERVERS relies on the stretch)
         return
     size = {group: sum(1 for g in groups.values() if g == group) for group in set(groups.values())}
     rank = {group: (LONGEST_GROUPS.index(group) if group in LONGEST_GROUPS else len(LONGEST_GROUPS), -size[group])
@@ -186,6 +190,7 @@ def tiny_server(tiny_model, log_dir):
     need_vllm()
     server = ServerProcess(str(tiny_model), "--dtype", "bfloat16", "--max-model-len", "1024",
                            log_dir=log_dir, name="tiny")
+    GROUP_SERVERS.append(server.stop)
     yield server.wait_ready()
     server.stop()
 
@@ -203,6 +208,7 @@ def stories_server(log_dir):
         "--chat-template", str(TEMPLATES / "llama3.jinja"), "--trust-request-chat-template",
         log_dir=log_dir, name="stories", compiled=True,  # the production (torch.compile) path's reference
     )
+    GROUP_SERVERS.append(server.stop)
     yield server.wait_ready()
     server.stop()
 
@@ -235,6 +241,7 @@ def kimi_vl_server(tmp_path_factory, log_dir):
                            "--max-image-pixels", "4000000", log_dir=log_dir, name="kimi-k25-images")
     server.model, server.dtype, server.media_dir = model, dtype, media_dir
     server.image_token_id = json.loads((model / "config.json").read_text())["image_token_id"]
+    GROUP_SERVERS.append(server.stop)
     yield server.wait_ready()
     server.stop()
 
@@ -266,6 +273,7 @@ def chunk_server(wide_model, log_dir):
                            "--lease-timeout", "5",
                            # a repeated input is computed again, not partly from the prefix cache
                            "--no-enable-prefix-caching", log_dir=log_dir, name="chunked")
+    GROUP_SERVERS.append(server.stop)
     yield server.wait_ready()
     server.stop()
 
@@ -280,11 +288,35 @@ def e2e_pool(tmp_path_factory):
     from _e2e_helpers import ServerPool
 
     pool = ServerPool(tmp_path_factory.mktemp("e2e-server-logs"))
+    GROUP_SERVERS.append(pool.stop_all)
     try:
         pool.get(2)
         yield pool
     finally:
         pool.stop_all()
+
+
+# ----------------------------------------------------------------------------- servers end with their group
+# The stops of the session-wide servers (SHARED_SERVERS) started in the current group. A group
+# holds every module that uses such a server (_groups), and a worker (or the single process,
+# which runs the groups one after the other: pytest_collection_modifyitems) runs a group's
+# tests in one stretch; so when its last test ends, its servers are no longer needed. Stopping
+# them then, not at the session's end, keeps a 24 GiB box from holding every group's engines
+# (~3 GiB each) at once. Their fixtures' own stop at the session's end is then a no-op.
+GROUP_SERVERS: list = []
+
+
+def _group(item) -> object:
+    marker = item.get_closest_marker("xdist_group")
+    return marker.args[0] if marker is not None and marker.args else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is not None and _group(nextitem) == _group(item):
+        return
+    while GROUP_SERVERS:
+        GROUP_SERVERS.pop()()
 
 
 # ----------------------------------------------------------------------------- one core per worker

@@ -3,6 +3,7 @@ or uses a fixture that did, without `@pytest.mark.engine` (run in a pytest of it
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 pytest_plugins = ["pytester"]
@@ -120,3 +121,28 @@ def test_under_xdist_a_group_runs_on_one_worker(pytester):
     result.assert_outcomes(passed=12)
     workers = {line.split()[0] for line in result.stdout.lines if "PASSED" in line and "test_user_" in line}
     assert len(workers) == 1, result.stdout.str()
+
+
+# A stand-in pool whose stop conftest.py calls when its group's last test ends.
+STOPPING_POOL = '''
+
+@pytest.fixture(scope="session")
+def e2e_pool():
+    EngineGuard.starting_a_server()
+    GROUP_SERVERS.append(lambda: print("STOPPED"))
+    yield "the shared pool"
+'''
+
+
+def test_a_groups_session_servers_stop_when_its_last_test_ends(pytester):
+    """Not at the session's end: each group's engines are gone before the next group starts."""
+    _session(pytester)
+    pytester.makeconftest((HERE / "conftest.py").read_text() + STOPPING_POOL)
+    users = "".join(f"@pytest.mark.engine\ndef test_user_{i}(e2e_pool):\n    print('USER {i}')\n\n\n" for i in range(2))
+    pytester.makepyfile(test_a=f"import pytest\n\n\n{users}", test_b="def test_alone():\n    print('ALONE')\n")
+    # one process, the modules' order interleaving the group: it still runs in one stretch
+    pytester.makepyfile(test_c="import pytest\n\n\n@pytest.mark.engine\ndef test_late_user(e2e_pool):\n    print('USER 2')\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-s", "test_a.py", "test_b.py", "test_c.py")
+    result.assert_outcomes(passed=4)
+    events = re.findall(r"USER \d|STOPPED|ALONE", result.stdout.str())
+    assert events == ["USER 0", "USER 1", "USER 2", "STOPPED", "ALONE"], result.stdout.str()
