@@ -14,3 +14,19 @@ if "torchvision-ops" in _actions:
 for _name in _actions:
     if _name in ("torchvision", "torchaudio", "torchcodec"):
         sys.modules.setdefault(_name, None)
+
+
+def _run_the_shadowed_sitecustomize() -> None:
+    """Python imports only the first sitecustomize on sys.path, and this one is put first: run
+    the one it shadows (a user's own, or the tests' fault injection), as Python would have."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+_run_the_shadowed_sitecustomize()
