@@ -26,6 +26,7 @@ import base64
 import copy
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
@@ -187,41 +188,35 @@ def resolve(messages: list[dict], row: dict, base: Path | None) -> list[dict]:
     return out
 
 
+def _any_part(messages: Any, test: Callable[[dict], bool]) -> bool:
+    """Whether any content part (a dict in a message's list content) of `messages` passes `test`."""
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and test(p) for p in m["content"])
+        for m in messages)
+
+
 def has_images(row: dict) -> bool:
     if row_images(row):
         return True
     msgs = row.get("messages") or row.get("conversations") or []
-    return isinstance(msgs, list) and any(
-        isinstance(m, dict) and isinstance(m.get("content"), list)
-        and any(isinstance(p, dict) and (p.get("type") in _PART_TYPES or p.get("type") == "image") for p in m["content"])
-        for m in msgs)
+    return _any_part(msgs, lambda p: p.get("type") in _PART_TYPES or p.get("type") == "image")
 
 
 def _local_urls(messages: Any) -> bool:
-    return isinstance(messages, list) and any(
-        isinstance(m, dict) and isinstance(m.get("content"), list)
-        and any(isinstance(p, dict) and p.get("type") == "image_url" and
-                str((p.get("image_url") or {}).get("url", "")).startswith("file://") for p in m["content"])
-        for m in messages)
+    return _any_part(messages, lambda p: p.get("type") == "image_url" and
+                     str((p.get("image_url") or {}).get("url", "")).startswith("file://"))
 
 
 def request_has_images(body: dict) -> bool:
     """A planned request (messages with image parts, as extract plans image chats)."""
-    msgs = body.get("messages")
-    return isinstance(msgs, list) and any(
-        isinstance(m, dict) and isinstance(m.get("content"), list)
-        and any(isinstance(p, dict) and p.get("type") in _PART_TYPES for p in m["content"])
-        for m in msgs)
+    return _any_part(body.get("messages"), lambda p: p.get("type") in _PART_TYPES)
 
 
 def remote_images(body: dict) -> bool:
     """A request with an image at an http(s) URL (its server fetches it, when allowed)."""
-    msgs = body.get("messages")
-    return isinstance(msgs, list) and any(
-        isinstance(m, dict) and isinstance(m.get("content"), list)
-        and any(isinstance(p, dict) and p.get("type") in _PART_TYPES
-                and str(_url(p)).lower().startswith(("http://", "https://")) for p in m["content"])
-        for m in msgs)
+    return _any_part(body.get("messages"), lambda p: p.get("type") in _PART_TYPES
+                     and str(_url(p)).lower().startswith(("http://", "https://")))
 
 
 def _url(part: dict) -> Any:
