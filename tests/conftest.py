@@ -334,13 +334,12 @@ def pytest_configure(config):
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
     if not worker.startswith("gw") or count < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
+    from hsx_service.engine.cpu_threads import split_cores  # hsx's own split of cores across TP ranks
+
     cpus = sorted(os.sched_getaffinity(0))
     if count > len(cpus):
         return
-    share = len(cpus) // count
-    index = int(worker[2:])
-    mine = cpus[index * share:(index + 1) * share]
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = split_cores(cpus, count).split("|")[int(worker[2:])]
 
 
 # ----------------------------------------------------------------------------- engine census
