@@ -34,6 +34,17 @@ def _run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
+def _unguarded_env() -> dict[str, str]:
+    """This process's environment without a guard an earlier test's in-process `hsx` command
+    applied to it (GUARD_ENV and GUARD_DIR on PYTHONPATH): the child must decide for itself."""
+    from hsx.compat import GUARD_DIR, GUARD_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != GUARD_ENV}
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != GUARD_DIR]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    return env
+
+
 def test_the_install_pth_makes_torchvision_importable_in_a_fresh_process(tmp_path):
     (tmp_path / "hsx-torchvision-ops.pth").write_text((ROOT / "scripts" / "hsx-torchvision-ops.pth").read_text())
     r = _run(f"import site; site.addsitedir({str(tmp_path)!r})\n" + USE_IT, dict(os.environ))
@@ -46,8 +57,7 @@ def test_the_guard_of_hsx_commands_reaches_child_processes():
             "applied = guard_broken_torch_extensions()\n"
             "print('guard:', applied, os.environ.get(GUARD_ENV))\n"
             f"sys.exit(subprocess.run([sys.executable, '-c', {USE_IT!r}]).returncode)\n")
-    env = {k: v for k, v in os.environ.items() if k != "HSX_TORCH_EXT_GUARD"}
-    r = _run(code, env)
+    r = _run(code, _unguarded_env())
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     # Applied (a CUDA torchvision beside the CPU torch) or not needed (it loads as installed)
     assert "guard: True torchvision-ops" in r.stdout or "guard: False None" in r.stdout, r.stdout

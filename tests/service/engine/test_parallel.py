@@ -195,10 +195,11 @@ async def test_tp2_sigterm_drains_and_leaves_no_process(tp_server_to_stop):
 async def test_tp2_engine_timeouts_free_everything_then_worker_kill_exits_1(log_dir):
     need_parallel()
     server = parallel_server(log_dir, "tp2-timeout", "--tensor-parallel-size", "2",
-                             "--max-num-batched-tokens", "16", "--request-timeout", "2")
+                             "--max-num-batched-tokens", "16", "--request-timeout", "1")
     try:
-        # 24 x 480 tokens at 16 tokens per step: 720 steps, far more than 2 s; the later ones time out.
-        prompts = random_prompts(7, 24, lengths=(480,))
+        # 64 x 480 tokens at 16 tokens per step: 1,920 steps, all sent at once. stories260K's step
+        # is a few ms, so 24 prompts within 2 s once all finished in time; here the later ones cannot.
+        prompts = random_prompts(7, 64, lengths=(480,))
         rs = await post_all(server.url, prompts)
         codes = [r.status_code for r in rs]
         assert 504 in codes and set(codes) <= {200, 504}, codes
