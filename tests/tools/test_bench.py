@@ -239,3 +239,39 @@ def test_image_chat_workload_makes_chats_hsx_takes() -> None:
             assert len(data) < MediaLimits().max_image_bytes and im.size[0] * im.size[1] < MediaLimits().max_image_pixels
         assert chat[-1]["role"] == "assistant"
     assert counts == [1, 2, 3, 1, 2, 3] and len(sizes) >= 4 and formats == {"PNG", "JPEG"}
+
+
+def test_image_chat_workload_redoes_a_chat_whose_lease_was_gone_and_counts_it() -> None:
+    """A lease answered 410 at its release (issue 41's H100 run died of the first one): the chat
+    is redone and counted, so that the run reports it with the server's lease outcomes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+
+    from hsx_client.errors import LeaseExpiredError
+    from hsx_tools.bench.image_chat import LEASE_REDOS, _fire_with
+
+    class Client:  # HsxClient's two calls the workload makes; the second release of chat 0 fails
+        def __init__(self, gone: int) -> None:
+            self.gone, self.posted, self.released = gone, [], 0
+
+        async def hidden_states_response(self, body, lease_ok):
+            self.posted.append(body["messages"])
+            n = len(body["messages"])
+            decoded = SimpleNamespace(token_ids=list(range(n)), hidden_states=torch.zeros(n, 2, 4),
+                                      media_mask=torch.tensor([True] + [False] * (n - 1)))
+            return SimpleNamespace(lease=object(), decode=lambda: decoded)
+
+        async def release_lease(self, lease):
+            self.released += 1
+            if self.released <= self.gone:
+                raise LeaseExpiredError("gone", status=410, type="lease_gone")
+
+    chats = [[{"role": "user", "content": "a"}] * 3, [{"role": "user", "content": "b"}] * 5]
+    client, redone = Client(gone=1), []
+    got = asyncio.run(_fire_with(client, chats, 1, "auto", redone))
+    assert got == [(3, 1), (5, 1)] and len(redone) == 1 and len(client.posted) == 3
+    with pytest.raises(LeaseExpiredError):  # a lease that never holds fails the run, after the redos
+        asyncio.run(_fire_with(Client(gone=99), chats[:1], 1, "auto", []))
+    assert LEASE_REDOS >= 1

@@ -157,32 +157,57 @@ def _client(url: str, concurrency: int, transfer: str):
     return HsxClient([url], concurrency_per_server=concurrency, compression=compression, transfer=mode)
 
 
-async def _fire_with(client, chats: list, concurrency: int, transfer: str) -> list[tuple[int, int]]:
+# A lease answered 410 at its release: the chat is redone, as hsx extract redoes such a sample,
+# at most this many times (then the run fails: something ends leases it should not).
+LEASE_REDOS = 3
+
+
+async def _fire_with(client, chats: list, concurrency: int, transfer: str,
+                     redone: list[int] | None = None) -> list[tuple[int, int]]:
     """(tokens, image tokens) of each chat's states, every body decoded (leased states copied
-    out of the server's shared memory, then released)."""
+    out of the server's shared memory, then released). A lease gone at its release (410) is
+    counted in `redone` and its chat redone, so that a run reports such leases instead of dying
+    of the first one (the server's /metrics then say how they ended: `_lease_outcomes`)."""
     from hsx.wire import decode
+    from hsx_client.errors import LeaseExpiredError
 
     lease_ok = TRANSFER_MODES[transfer][2]
     sem = asyncio.Semaphore(concurrency)
 
     async def one(chat: list) -> tuple[int, int]:
         async with sem:
-            r = await client.hidden_states_response({"messages": chat}, lease_ok=lease_ok)
-            if r.lease is not None:
+            for attempt in range(LEASE_REDOS + 1):
+                r = await client.hidden_states_response({"messages": chat}, lease_ok=lease_ok)
+                if r.lease is None:
+                    d = decode(r.body)
+                    break
                 d = r.decode()
                 states = d.hidden_states.clone()  # what a consumer must do before the release
-                await client.release_lease(r.lease)
-                del states
-            else:
-                d = decode(r.body)
+                try:
+                    await client.release_lease(r.lease)
+                except LeaseExpiredError:
+                    if redone is not None:
+                        redone.append(1)
+                    if attempt == LEASE_REDOS:
+                        raise
+                    continue
+                finally:
+                    del states
+                break
             return len(d.token_ids), int(d.media_mask.sum()) if d.media_mask is not None else 0
 
     return list(await asyncio.gather(*(one(c) for c in chats)))
 
 
-async def _fire(url: str, chats: list, concurrency: int, transfer: str = "http:zstd") -> list[tuple[int, int]]:
+def _lease_outcomes(server) -> dict[str, float]:
+    """The server's lease counters by outcome (granted, released, expired, unsent, client_gone...)."""
+    return server.metrics().by_label("hsx_leases_total", "outcome")
+
+
+async def _fire(url: str, chats: list, concurrency: int, transfer: str = "http:zstd",
+                redone: list[int] | None = None) -> list[tuple[int, int]]:
     async with _client(url, concurrency, transfer) as client:
-        return await _fire_with(client, chats, concurrency, transfer)
+        return await _fire_with(client, chats, concurrency, transfer, redone)
 
 
 async def _client_session(cfg: dict, chats: list) -> dict:
@@ -194,8 +219,9 @@ async def _client_session(cfg: dict, chats: list) -> dict:
         while not go.exists():
             await asyncio.sleep(0.002)
         t0 = time.time()
-        got = await _fire_with(client, chats, cfg["concurrency"], cfg["transfer"])
-        return {"start": t0, "end": time.time(), "got": got}
+        redone: list[int] = []
+        got = await _fire_with(client, chats, cfg["concurrency"], cfg["transfer"], redone)
+        return {"start": t0, "end": time.time(), "got": got, "lease_redos": len(redone)}
 
 
 def client_main(config_path: str) -> int:
@@ -208,8 +234,9 @@ def client_main(config_path: str) -> int:
 
 
 def _fire_workers(url: str, ctx: dict[str, Any], transfer: str, variant: int, workdir: Path,
-                  timeout: float) -> tuple[float, list]:
-    """The measured chats over ctx['workers'] client processes: (seconds, [(tokens, image tokens)] in chat order)."""
+                  timeout: float) -> tuple[float, list, int]:
+    """The measured chats over ctx['workers'] client processes: (seconds, [(tokens, image tokens)]
+    in chat order, chats redone after a lease gone at its release)."""
     from hsx_tools.server_process import own, stop_process_group
 
     n = ctx["workers"]
@@ -247,7 +274,7 @@ def _fire_workers(url: str, ctx: dict[str, Any], transfer: str, variant: int, wo
     got: list = [None] * ctx["chats"]
     for i, r in enumerate(results):
         got[i::n] = [tuple(g) for g in r["got"]]
-    return seconds, got
+    return seconds, got, sum(r.get("lease_redos", 0) for r in results)
 
 
 def _run_hsx(ctx: dict[str, Any], workdir: Path, timeout: float) -> list[dict[str, Any]]:
@@ -265,16 +292,22 @@ def _run_hsx(ctx: dict[str, Any], workdir: Path, timeout: float) -> list[dict[st
         for variant, transfer in enumerate(ctx["transfers"], 1):  # (v) ran variant 0
             asyncio.run(_fire(server.url, make_chats(ctx["warmup"], ctx["seed"] + 1000, variant), ctx["concurrency"],
                               transfer))
+            before = _lease_outcomes(server)
             if ctx["workers"] > 1:
-                seconds, got = _fire_workers(server.url, ctx, transfer, variant, workdir, timeout)
+                seconds, got, redos = _fire_workers(server.url, ctx, transfer, variant, workdir, timeout)
             else:
                 chats = make_chats(ctx["chats"], ctx["seed"], variant)
                 t0 = time.monotonic()
-                got = asyncio.run(_fire(server.url, chats, ctx["concurrency"], transfer))
-                seconds = time.monotonic() - t0
+                redone: list[int] = []
+                got = asyncio.run(_fire(server.url, chats, ctx["concurrency"], transfer, redone))
+                seconds, redos = time.monotonic() - t0, len(redone)
+            after = _lease_outcomes(server)
+            outcomes = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
             out.append({"transfer": transfer, "engine_start_s": start_s, "seconds": seconds,
-                        "tokens": [g[0] for g in got], "image_tokens": [g[1] for g in got]})
-            log(f"(h) {transfer}: {sum(g[0] for g in got) / seconds:,.0f} tokens/s")
+                        "tokens": [g[0] for g in got], "image_tokens": [g[1] for g in got],
+                        "lease_redos": redos, "lease_outcomes": outcomes})
+            log(f"(h) {transfer}: {sum(g[0] for g in got) / seconds:,.0f} tokens/s"
+                + (f"; leases {outcomes}, {redos} chats redone after a 410" if outcomes or redos else ""))
     finally:
         server.stop()
     return out
@@ -287,6 +320,9 @@ def _summary(name: str, res: dict[str, Any], chats: int) -> dict[str, Any]:
            "engine_start_s": round(res["engine_start_s"], 1)}
     if "image_tokens" in res:
         out["image_tokens"] = sum(res["image_tokens"])
+    for key in ("lease_redos", "lease_outcomes"):
+        if key in res:
+            out[key] = res[key]
     return out
 
 
