@@ -381,4 +381,7 @@ def pytest_runtest_logreport(report):
     if report.when != "teardown":
         _CLOCK[report.nodeid] = (took, outcome)
         return
-    print(f"\nclock {time.monotonic() - start:6.0f} s {took:7.1f} s  {outcome:<15} {report.nodeid}", flush=True)
+    # Under xdist the report comes from a worker (its gateway's id: which worker's load it was).
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "")
+    print(f"\nclock {time.monotonic() - start:6.0f} s {took:7.1f} s  {outcome:<15} {worker:<4}{report.nodeid}",
+          flush=True)
