@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,18 +55,23 @@ COUNT_SAMPLE = 64  # planned samples the server tokenizes for the disk estimate
 
 
 def disk_needed(requests: Iterable[dict[str, Any]], bytes_per_token: float, max_length: int | None,
-                max_model_len: int | None, token_ratio: float = 1.0, kept: float = 1.0) -> int:
+                max_model_len: int | None, token_ratio: float = 1.0, kept: float = 1.0,
+                bytes_per_request: Callable[[dict[str, Any]], int] | None = None) -> int:
     """Bytes the samples of `requests` will take: estimated tokens (x `token_ratio`, the
     served tokenizer's real / estimated count, then capped; x `kept`, the share not dropped)
-    x the format's bytes per token, plus 4 KiB a sample for headers and file-system slack."""
+    x the format's bytes per token, plus 4 KiB a sample for headers and file-system slack,
+    plus what `bytes_per_request` says a sample's files take beyond its tokens (an image
+    chat's request file in a token table: its images' base64)."""
     total = 0.0
+    extra = 0
     count = 0
     cap = min((int(c) for c in (max_length, max_model_len) if c), default=None)
     for r in requests:
         n = estimate_tokens(r, None, None) * token_ratio
         total += min(n, cap) if cap else n
+        extra += bytes_per_request(r) if bytes_per_request is not None else 0
         count += 1
-    return int(total * kept * float(bytes_per_token) + 4096 * count)
+    return int(total * kept * float(bytes_per_token) + extra * kept + 4096 * count)
 
 
 class InsufficientDiskError(StoreError):

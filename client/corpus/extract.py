@@ -362,7 +362,8 @@ class Extractor:
         counts = self._token_ratio
         need = disk_estimate.disk_needed((samples.by_key[keys[i]].request for i in todo), fmt.bytes_per_token(ctx),
                                     settings.max_length, info.get("max_model_len"),
-                                    counts.ratio if counts else 1.0, counts.kept if counts else 1.0)
+                                    counts.ratio if counts else 1.0, counts.kept if counts else 1.0,
+                                    fmt.bytes_per_request)
         est = disk_estimate.check_disk_space(self.out, need, force=self.cfg.force_disk)
         self._disk_estimate = need
         return est

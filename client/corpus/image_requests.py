@@ -43,6 +43,20 @@ def encode(body: dict[str, Any]) -> bytes:
     return json.dumps(stored_body(body), separators=(",", ":")).encode()
 
 
+def estimated_size(body: dict[str, Any]) -> int:
+    """Bytes of the file `body` will make (for the disk estimate, before the run): its JSON,
+    each `file://` image counted as the `data:` URI extract inlines (base64: 4/3 of the file)."""
+    from hsx_client.corpus.images import local_image_paths
+
+    size = len(encode(body))
+    for url, path in local_image_paths(body):
+        try:
+            size += (path.stat().st_size + 2) // 3 * 4 + len("data:image/jpeg;base64,") - len(url)
+        except OSError:  # refused when the run reads it; nothing to count
+            pass
+    return size
+
+
 def read(path: Path) -> dict[str, Any]:
     """The stored body; ValueError (one line, naming the file) when it is missing or not one."""
     path = Path(path)

@@ -224,6 +224,17 @@ def _url(part: dict) -> Any:
     return value.get("url", "") if isinstance(value, dict) else value
 
 
+def local_image_paths(body: dict) -> list[tuple[str, Path]]:
+    """(url, path) of every `file://` image of a planned request, as `inline` reads them."""
+    out = []
+    for m in body.get("messages") or ():
+        for part in m.get("content") if isinstance(m, dict) and isinstance(m.get("content"), list) else ():
+            url = (part.get("image_url") or {}).get("url", "") if isinstance(part, dict) else ""
+            if isinstance(url, str) and url.startswith("file://"):
+                out.append((url, Path(unquote(urlsplit(url).path))))
+    return out
+
+
 def needs_inlining(body: dict) -> bool:
     return _local_urls(body.get("messages"))
 

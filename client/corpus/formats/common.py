@@ -73,6 +73,9 @@ class CorpusFormat(Protocol):
 
     def bytes_per_token(self, ctx: CorpusContext) -> float: ...
 
+    def bytes_per_request(self, request: dict[str, Any]) -> int:
+        """Bytes a sample's files take beyond its tokens' (the disk estimate adds them)."""
+
     def verify_sample(self, out_dir: Path, index: int, record: dict) -> list[str]: ...
 
 
@@ -96,6 +99,9 @@ class FormatDefaults:
 
     def layer_problem(self, layers: list[int], num_hidden_layers: int | None, served: list[int]) -> str | None:
         return None
+
+    def bytes_per_request(self, request: dict[str, Any]) -> int:
+        return 0
 
     def prepare(self) -> None:
         return None

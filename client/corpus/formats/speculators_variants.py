@@ -110,9 +110,12 @@ class SpeculatorsTokensFormat(SpeculatorsFormat):
         return [self.request_path(index)]
 
     def bytes_per_token(self, ctx: CorpusContext) -> float:
-        # the id file, the table's input_ids + loss_mask (an image chat's request file, its
-        # images' base64, is not counted: its size follows the images, not the tokens)
+        # the id file, the table's input_ids + loss_mask (an image chat's request file follows
+        # its images, not its tokens: bytes_per_request)
         return 8 + 16
+
+    def bytes_per_request(self, request: dict) -> int:
+        return image_requests.estimated_size(request) if images.request_has_images(request) else 0
 
     async def fetch(self, client, body: dict, lease_ok: bool = True) -> "TokensResponse":
         """What the run loop asks the servers for: POST /tokenize, not /hidden_states (the

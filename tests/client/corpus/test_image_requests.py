@@ -106,3 +106,23 @@ def test_merge_and_verify_renumber_the_request_file(old, new):
     fmt = get_format("speculators", states="none")
     assert renumbered_path(fmt, f"token_ids/request_{old}.json", old, new) == f"token_ids/request_{new}.json"
     assert renumbered_path(fmt, f"token_ids/ids_{old}.safetensors", old, new) == f"token_ids/ids_{new}.safetensors"
+
+
+def test_the_disk_estimate_counts_each_image_chat_s_request_file(tmp_path):
+    """The request files hold the images' base64, not tokens: a token table of image chats
+    needs their bytes on disk, files named by path counted as the data URIs they become."""
+    from hsx_client.corpus.disk_estimate import disk_needed
+    from hsx_client.corpus.images import image_part
+
+    photo = tmp_path / "photo.jpg"
+    photo.write_bytes(b"\xff\xd8\xff" + bytes(30_000))
+    by_path = {"messages": [{"role": "user", "content": [image_part(photo.as_uri()), {"type": "text", "text": "hi"}]}]}
+    fmt = get_format("speculators", states="none")
+    inlined = image_requests.encode({"messages": [{"role": "user", "content": [
+        image_part("data:image/jpeg;base64," + "A" * ((30_003 + 2) // 3 * 4)), {"type": "text", "text": "hi"}]}]})
+    assert abs(fmt.bytes_per_request(by_path) - len(inlined)) < 64
+    assert fmt.bytes_per_request(text_chat(1)) == 0
+    assert get_format("speculators").bytes_per_request(by_path) == 0  # the states formats keep no request
+    plain = disk_needed([by_path, text_chat(1)], 24, None, None)
+    assert disk_needed([by_path, text_chat(1)], 24, None, None, bytes_per_request=fmt.bytes_per_request) \
+        == plain + fmt.bytes_per_request(by_path)
