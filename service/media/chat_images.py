@@ -83,7 +83,10 @@ class ChatImages:
             processor = getattr(getattr(self._engine(), "renderer", None), "mm_processor", None)
             if processor is None:
                 return False
-            self._video = processor.info.allowed_mm_limits.get("video", 0) > 0
+            try:
+                self._video = processor.info.allowed_mm_limits.get("video", 0) > 0
+            except AttributeError:  # a vLLM whose processor does not say: no video rather than a 500
+                self._video = False
         return self._video
 
     async def expand(self, enc: Encoded, images: list, input_tokens: int, limit: int,

@@ -35,7 +35,6 @@ class MediaPart:
         return f"messages[{self.message}].content[{self.part}]"
 
 
-
 def part_url(part: dict[str, Any], where: str, kind: str = "image") -> str:
     value = part.get(f"{kind}_url")
     url = value.get("url") if isinstance(value, dict) else value

@@ -44,6 +44,24 @@ def sniff_container(data: bytes) -> str | None:
     return None
 
 
+def _open_capture(data: bytes):
+    """A capture reading `data` from memory, opened as vLLM's opencv loader opens it (the first
+    stream-buffered backend OpenCV has; FFmpeg in opencv-python's builds). hsx's own copy: vLLM's
+    loader is an internal module that moves between releases."""
+    import io
+
+    import cv2
+    from cv2 import videoio_registry as registry
+
+    backends = [b for b in registry.getStreamBufferedBackends() if registry.hasBackend(b)]
+    if not backends:
+        raise ValueError("this OpenCV reads no video from memory")
+    cap = cv2.VideoCapture(io.BytesIO(data), backends[0], [])
+    if not cap.isOpened():
+        raise ValueError("Could not open video stream")
+    return cap
+
+
 def decode_video(data: bytes, where: str, limits: MediaLimits) -> Video:
     """Every frame of `data` within the limits, or BadInput / TooLarge naming `where`."""
     fmt = sniff_container(data)
@@ -51,10 +69,9 @@ def decode_video(data: bytes, where: str, limits: MediaLimits) -> Video:
         raise BadInput(f"{where}: not a video in a supported container ({CONTAINERS})")
     import cv2
     import numpy as np
-    from vllm.multimodal.video_decoders.opencv import OpenCVVideoBackendMixin as opener
 
     try:
-        cap = opener.open_video_capture(data)
+        cap = _open_capture(data)
     except (ValueError, cv2.error) as exc:
         raise BadInput(f"{where}: the {fmt} video cannot be read ({exc})") from None
     # No cap.release(): on a capture reading from memory it crashes OpenCV 5.1 (segfault); the

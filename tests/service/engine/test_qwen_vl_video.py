@@ -21,7 +21,6 @@ import torch
 
 import _videos as vid
 from _reference import per_layer_rel_err
-from _server import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -31,25 +30,14 @@ TOL = 1e-4  # fp32 on both sides
 
 
 @pytest.fixture(scope="module")
-def qwen_vl_model(tmp_path_factory):
-    from hsx.compat import guard_broken_torch_extensions
-
-    guard_broken_torch_extensions()  # vLLM's Qwen2-VL family imports torchvision (test_qwen_vl_images.py)
-    pytest.importorskip("torchvision.transforms.v2.functional")
+def video_server(qwen_vl_server):
     pytest.importorskip("cv2")
-    from hsx_tools.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl", "qwen2_5_vl",
-                           num_layers=NUM_LAYERS, dtype="float32")
+    return qwen_vl_server  # conftest.py: shared with test_qwen_vl_images.py
 
 
 @pytest.fixture(scope="module")
-def video_server(qwen_vl_model, log_dir):
-    server = ServerProcess(str(qwen_vl_model), "--dtype", "float32", "--max-model-len", "2048",
-                           "--layers", ",".join(map(str, LAYERS)), "--arena-bytes", "256MiB",
-                           "--max-video-frames", "8", log_dir=log_dir, name="qwen2_5_vl-video")
-    yield server.wait_ready()
-    server.stop()
+def qwen_vl_model(qwen_vl_server):
+    return qwen_vl_server.model
 
 
 def _chat(video: bytes) -> list[dict]:
