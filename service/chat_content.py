@@ -57,9 +57,12 @@ def _is_content_access(node: nodes.Node, content_vars: set[str]) -> bool:
     return isinstance(node, nodes.Name) and node.name in content_vars
 
 
-# An image part once the server has loaded its image (service/media/chat_images.py): what a
-# parts template renders as the model's image placeholder. Clients send `image_url` parts.
+# An image (video) part once the server has loaded it (service/media/chat_images.py): what a
+# parts template renders as the model's image (video) placeholder. Clients send `image_url`
+# (`video_url`) parts.
 IMAGE_PLACEHOLDER = {"type": "image"}
+VIDEO_PLACEHOLDER = {"type": "video"}
+PLACEHOLDERS = (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)
 
 
 def normalize_messages(messages: list[dict[str, Any]], fmt: ContentFormat) -> list[dict[str, Any]]:
@@ -69,7 +72,7 @@ def normalize_messages(messages: list[dict[str, Any]], fmt: ContentFormat) -> li
     for i, msg in enumerate(messages):
         content = msg.get("content")
         if isinstance(content, list):
-            if fmt == "parts" and IMAGE_PLACEHOLDER in content:
+            if fmt == "parts" and any(p in content for p in PLACEHOLDERS):
                 msg = {**msg, "content": _parts_with_images(content, i)}
             else:
                 texts = text_parts(content, i)
@@ -80,11 +83,11 @@ def normalize_messages(messages: list[dict[str, Any]], fmt: ContentFormat) -> li
 
 
 def _parts_with_images(content: list[Any], index: int) -> list[dict[str, Any]]:
-    """A parts list keeping the loaded images' placeholders in place among its text parts."""
+    """A parts list keeping the loaded media's placeholders in place among its text parts."""
     out = []
     for j, part in enumerate(content):
-        if part == IMAGE_PLACEHOLDER:
-            out.append(dict(IMAGE_PLACEHOLDER))
+        if part in PLACEHOLDERS:
+            out.append(dict(part))
         else:
             out += [{"type": "text", "text": t} for t in text_parts([part], index, offset=j)]
     return out
@@ -104,8 +107,8 @@ def text_parts(content: list[Any], index: int, offset: int = 0) -> list[str]:
             continue
         if kind in TEXT_PART_TYPES:
             raise BadInput(f"messages[{index}].content[{j}]: a {kind!r} part needs a string 'text'")
-        if part == IMAGE_PLACEHOLDER:  # loaded, but the template iterates no parts
-            raise BadInput(f"messages[{index}].content[{j}]: this chat template renders no images (it prints "
+        if part in PLACEHOLDERS:  # loaded, but the template iterates no parts
+            raise BadInput(f"messages[{index}].content[{j}]: this chat template renders no {kind}s (it prints "
                            "each message's content as a string)")
         raise BadInput(f"messages[{index}].content[{j}]: content parts of type {kind!r} are not supported "
                        f"(here text parts only: image_url parts go to /hidden_states and /tokenize of a model that "

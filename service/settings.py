@@ -43,7 +43,7 @@ def _str_list(value: object) -> object:
 
 
 BYTE_FIELDS = ("max_body_bytes", "arena_bytes", "stream_window_bytes", "max_text_bytes", "tokenize_memory",
-               "max_header_bytes", "max_image_bytes")
+               "max_header_bytes", "max_image_bytes", "max_video_bytes")
 
 
 class ServiceSettings(BaseSettings):
@@ -149,13 +149,23 @@ class ServiceSettings(BaseSettings):
     max_image_pixels: int = Field(
         40_000_000, ge=1, description="Most pixels (width x height) in one image, read from its header before "
         "decoding (413 beyond)")
+    max_videos_per_request: int = Field(1, ge=0, description="Most video parts in one request, for a model that "
+                                        "takes video (413 beyond)")
+    max_video_bytes: int = Field(64 * MiB, ge=1024, description="Largest encoded video (data URI, file or download; "
+                                 "413 beyond)")
+    max_video_frames: int = Field(
+        32, ge=1, description="Most frames in one video, read from its header before decoding (413 beyond: sample "
+        "the video before sending it)")
+    max_video_pixels: int = Field(
+        100_000_000, ge=1, description="Most pixels in one video, all its frames together (frames x width x height, "
+        "from its header before decoding; each frame also within --max-image-pixels; 413 beyond)")
     allowed_media_dir: str | None = Field(
-        None, description="Directory whose files requests may name as images (a path or file:// URL; nothing "
+        None, description="Directory whose files requests may name as images or videos (a path or file:// URL; nothing "
         "outside it once symlinks are resolved; default: local paths refused)")
     allow_remote_media: bool = Field(
-        False, description="Fetch http(s) image URLs named in requests (off: 400; on, clients make the server "
+        False, description="Fetch http(s) image and video URLs named in requests (off: 400; on, clients make the server "
         "fetch URLs: docs/security.md)")
-    remote_media_timeout: float = Field(10.0, gt=0, description="Seconds one image download may take (with --allow-remote-media)")
+    remote_media_timeout: float = Field(10.0, gt=0, description="Seconds one image or video download may take (with --allow-remote-media)")
     log_level: str = Field("info", description="Log level (debug, info, warning, error)")
     allow_unverified_hybrid: bool = Field(
         False,

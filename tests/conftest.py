@@ -118,7 +118,7 @@ def pytest_runtest_call(item):
 # module with only servers of its own is a group by itself (its module-scoped servers start
 # once too). A new session-wide server fixture must be listed here: `pytest_fixture_setup`
 # fails a session-scoped fixture that starts an engine and is not.
-SHARED_SERVERS = ("tiny_server", "stories_server", "chunk_server", "e2e_pool", "kimi_vl_server")
+SHARED_SERVERS = ("tiny_server", "stories_server", "chunk_server", "e2e_pool", "kimi_vl_server", "qwen_vl_server")
 # The groups that take longest, slowest first (bench/README.md, "CI"); the rest follow by size.
 LONGEST_GROUPS = ("e2e_pool", "stories_server", "tests/service/engine/test_parallel.py", "chunk_server",
                   "tests/service/engine/test_model_families.py")
@@ -241,6 +241,31 @@ def kimi_vl_server(tmp_path_factory, log_dir):
                            "--max-image-pixels", "4000000", log_dir=log_dir, name="kimi-k25-images")
     server.model, server.dtype, server.media_dir = model, dtype, media_dir
     server.image_token_id = json.loads((model / "config.json").read_text())["image_token_id"]
+    GROUP_SERVERS.append(server.stop)
+    yield server.wait_ready()
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen_vl_server(tmp_path_factory, log_dir):
+    """A tiny Qwen2.5-VL (4 layers, fp32, every id 0..4), shared by its image and video modules
+    (test_qwen_vl_images.py, test_qwen_vl_video.py): at most 4 images and 8 video frames a
+    request, so each module provokes its refusal cheaply. Attribute: model."""
+    need_vllm()
+    from hsx.compat import guard_broken_torch_extensions
+    from hsx_tools.tiny_model import make_tiny_model
+
+    guard_broken_torch_extensions()  # vLLM's Qwen2-VL family imports torchvision
+    try:
+        import torchvision.transforms.v2.functional  # noqa: F401
+    except Exception as e:  # absent, or hidden because even its op schemas did not help
+        pytest.skip(f"no usable torchvision ({type(e).__name__}: {e}): vLLM's Qwen2-VL family imports it")
+    model = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl", "qwen2_5_vl", num_layers=4,
+                            dtype="float32")
+    server = ServerProcess(str(model), "--dtype", "float32", "--max-model-len", "2048", "--layers", "0,1,2,3,4",
+                           "--arena-bytes", "256MiB", "--max-images-per-request", "4", "--max-video-frames", "8",
+                           log_dir=log_dir, name="qwen2_5_vl")
+    server.model = model
     GROUP_SERVERS.append(server.stop)
     yield server.wait_ready()
     server.stop()

@@ -9,6 +9,9 @@ Where a row's images come from (each becomes an OpenAI part `{"type": "image_url
     the next `<image>` placeholder of a turn's text, or the next bare `{"type": "image"}`
     part; with no placeholder at all they go before the first user turn's text (LLaVA's rule).
 
+Videos: OpenAI-style `{"type": "video_url", "video_url": {"url": ...}}` parts, resolved and
+sent as image_url parts are (the server takes them for a model that takes video).
+
 URLs: `data:` and `http(s)` pass as they are (a server refuses remote URLs unless its
 operator allows them). A path (or `file://` URL) is taken from the input file's directory
 when relative and must name a readable file when the row is read (else the row is a BadRow
@@ -36,8 +39,10 @@ from hsx_client.corpus.rows import RowProblem
 MISSING_IMAGE = "missing_image"  # BadRow kind
 PLACEHOLDER = "<image>"
 _PART_TYPES = ("image_url", "input_image")
+VIDEO_PART = "video_url"
+_MEDIA_TYPES = (*_PART_TYPES, VIDEO_PART)
 _SIGNATURES = ((b"\x89PNG", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"),
-               (b"BM", "image/bmp"))
+               (b"BM", "image/bmp"), (b"\x1a\x45\xdf\xa3", "video/webm"))
 
 
 class ImageFileError(ValueError):
@@ -47,6 +52,8 @@ class ImageFileError(ValueError):
 def mime_of(data: bytes) -> str:
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "image/webp"
+    if data[4:8] == b"ftyp":
+        return "video/mp4"
     return next((m for sig, m in _SIGNATURES if data.startswith(sig)), "application/octet-stream")
 
 
@@ -153,6 +160,18 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def video_part(url: str) -> dict:
+    return {"type": VIDEO_PART, VIDEO_PART: {"url": url}}
+
+
+def _video_url(part: dict, where: str, base: Path | None) -> str:
+    value = part.get(VIDEO_PART)
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise RowProblem(f"{where}: a video_url part needs video_url.url, a non-empty string")
+    return _url_of(url, where, base)
+
+
 def resolve(messages: list[dict], row: dict, base: Path | None) -> list[dict]:
     """`messages` with every image as an `image_url` part whose URL the plan keeps (module
     doc); RowProblem naming the message and part for a missing file or a bad reference."""
@@ -166,6 +185,9 @@ def resolve(messages: list[dict], row: dict, base: Path | None) -> list[dict]:
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == VIDEO_PART:
+                    parts.append(video_part(_video_url(part, f"messages[{i}].content[{j}]", base)))
+                    continue
                 is_image = isinstance(part, dict) and (part.get("type") in _PART_TYPES or part.get("type") == "image")
                 parts.append(image_part(_part_url(part, f"messages[{i}].content[{j}]", base, given))
                              if is_image else part)
@@ -200,27 +222,27 @@ def has_images(row: dict) -> bool:
     if row_images(row):
         return True
     msgs = row.get("messages") or row.get("conversations") or []
-    return _any_part(msgs, lambda p: p.get("type") in _PART_TYPES or p.get("type") == "image")
+    return _any_part(msgs, lambda p: p.get("type") in _MEDIA_TYPES or p.get("type") == "image")
 
 
 def _local_urls(messages: Any) -> bool:
-    return _any_part(messages, lambda p: p.get("type") == "image_url" and
-                     str((p.get("image_url") or {}).get("url", "")).startswith("file://"))
+    return _any_part(messages, lambda p: p.get("type") in ("image_url", VIDEO_PART) and
+                     str((p.get(p["type"]) or {}).get("url", "")).startswith("file://"))
 
 
 def request_has_images(body: dict) -> bool:
-    """A planned request (messages with image parts, as extract plans image chats)."""
-    return _any_part(body.get("messages"), lambda p: p.get("type") in _PART_TYPES)
+    """A planned request (messages with image or video parts, as extract plans image chats)."""
+    return _any_part(body.get("messages"), lambda p: p.get("type") in _MEDIA_TYPES)
 
 
 def remote_images(body: dict) -> bool:
-    """A request with an image at an http(s) URL (its server fetches it, when allowed)."""
-    return _any_part(body.get("messages"), lambda p: p.get("type") in _PART_TYPES
+    """A request with an image or video at an http(s) URL (its server fetches it, when allowed)."""
+    return _any_part(body.get("messages"), lambda p: p.get("type") in _MEDIA_TYPES
                      and str(_url(p)).lower().startswith(("http://", "https://")))
 
 
 def _url(part: dict) -> Any:
-    value = part.get("image_url", part.get("image"))
+    value = part.get(VIDEO_PART) if part.get("type") == VIDEO_PART else part.get("image_url", part.get("image"))
     return value.get("url", "") if isinstance(value, dict) else value
 
 
@@ -240,18 +262,19 @@ def needs_inlining(body: dict) -> bool:
 
 
 def inline(body: dict) -> dict:
-    """`body` with every `file://` image read into a `data:` URI (a copy; `body` is kept);
-    ImageFileError when a file can no longer be read."""
+    """`body` with every `file://` image or video read into a `data:` URI (a copy; `body` is
+    kept); ImageFileError when a file can no longer be read."""
     if not needs_inlining(body):
         return body
     out = dict(body, messages=copy.deepcopy(body["messages"]))
     for m in out["messages"]:
         for part in m["content"] if isinstance(m.get("content"), list) else ():
-            url = (part.get("image_url") or {}).get("url", "") if isinstance(part, dict) else ""
+            key = part.get("type") if isinstance(part, dict) and part.get("type") == VIDEO_PART else "image_url"
+            url = (part.get(key) or {}).get("url", "") if isinstance(part, dict) else ""
             if isinstance(url, str) and url.startswith("file://"):
                 path = unquote(urlsplit(url).path)
                 try:
-                    part["image_url"] = {**part["image_url"], "url": data_uri(Path(path).read_bytes())}
+                    part[key] = {**part[key], "url": data_uri(Path(path).read_bytes())}
                 except OSError as exc:
                     raise ImageFileError(f"image file {path}: {exc.strerror or exc} (moved or deleted since the "
                                          "plan was made)") from None

@@ -1,12 +1,13 @@
-"""Chats with images, between the request and the engine.
+"""Chats with images and videos, between the request and the engine.
 
-`take`: before templating, every `image_url` part is loaded and decoded (parts.py, on the
-media threads, never the event loop) and replaced by the placeholder part the chat template
-renders as the model's image placeholder (chat_content.IMAGE_PLACEHOLDER); the image bytes
-never reach the tokenizer processes. `expand`: after tokenizing, vLLM's own renderer (the
+`take`: before templating, every `image_url` (`video_url`) part is loaded and decoded
+(parts.py, on the media threads, never the event loop) and replaced by the placeholder part
+the chat template renders as the model's image (video) placeholder (chat_content's
+IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER); the bytes never reach the tokenizer processes. A video
+part is taken only where the model's vLLM processor takes video (its allowed modalities). `expand`: after tokenizing, vLLM's own renderer (the
 model's multimodal processor, in this process) expands each placeholder to the image's
-tokens; the expanded ids are what the engine prefills and the response returns, with a
-media mask marking the image tokens and the loss mask never supervising them. The prompt it
+(video's) tokens; the expanded ids are what the engine prefills and the response returns,
+with a media mask marking the image and video tokens and the loss mask never supervising them. The prompt it
 made (pixels and all) goes to the engine as it is: vLLM does not recognise already-expanded
 placeholders (it expanded a pre-expanded Kimi-K2.5 prompt a second time), so hsx never sends
 expanded ids with images.
@@ -18,13 +19,14 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hsx_service.chat_content import IMAGE_PLACEHOLDER
+from hsx_service.chat_content import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from hsx_service.core.errors import BadInput, EngineTimeout, TooLarge
 from hsx_service.media.limits import MediaLimits
-from hsx_service.media.parts import IMAGE_PART_TYPES, find_images, load_images
+from hsx_service.media.parts import IMAGE_PART_TYPES, VIDEO_PART_TYPES, MediaPart, find_media, load_media
+from hsx_service.media.video import Video
 from hsx_service.tokenize import Encoded
 
-DECODE_THREADS = 2  # image decoding's own threads: a burst of images waits here, not in the loop's pool
+DECODE_THREADS = 2  # image and video decoding's own threads: a burst of images waits here, not in the loop's pool
 
 
 class ChatImages:
@@ -37,29 +39,55 @@ class ChatImages:
         self._engine = engine_getter  # the AsyncLLM, once started
         self.multimodal = bool(getattr(model_config, "is_multimodal_model", False))
         self.architecture = architecture
+        self._video: bool | None = None  # whether vLLM's processor takes video, once asked
         self._pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="hsx-media")
 
     async def _decode(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def take(self, req):
-        """(the request with its images replaced by placeholders, the decoded images)."""
+        """(the request with its images and videos replaced by placeholders, the decoded images
+        (PIL) and videos (video.Video) in order)."""
         if not req.messages:
             return req, []
         messages = [{"content": m.content} for m in req.messages]
         for i, m in enumerate(messages):
             for j, part in enumerate(m["content"] if isinstance(m["content"], list) else ()):
-                if isinstance(part, dict) and part.get("type") == IMAGE_PLACEHOLDER["type"]:
-                    raise BadInput(f"messages[{i}].content[{j}]: send images as image_url parts "
-                                   '({"type": "image_url", "image_url": {"url": ...}})')
-        parts = find_images(messages, self.limits)
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in (IMAGE_PLACEHOLDER["type"], VIDEO_PLACEHOLDER["type"]):
+                    raise BadInput(f"messages[{i}].content[{j}]: send {kind}s as {kind}_url parts "
+                                   f'({{"type": "{kind}_url", "{kind}_url": {{"url": ...}}}})')
+        parts = find_media(messages, self.limits)
         if not parts:
             return req, []
         if not self.multimodal:
-            raise BadInput(f"{parts[0].where}: image_url parts need a model that takes images; this one "
+            raise BadInput(f"{parts[0].where}: {parts[0].kind}_url parts need a model that takes images; this one "
                            f"({self.architecture}) does not")
-        images = await load_images(parts, self.limits, decode=self._decode)
-        return req.model_copy(update={"messages": _with_placeholders(req.messages)}), images
+        self._check_video(parts)  # before any part is decoded
+        items = await load_media(parts, self.limits, decode=self._decode)
+        return req.model_copy(update={"messages": _with_placeholders(req.messages)}), items
+
+    def _check_video(self, parts: list[MediaPart]) -> None:
+        video = next((p for p in parts if p.kind == "video"), None)
+        if video is None or self.takes_video():
+            return
+        if self.architecture.startswith("KimiK25"):
+            raise BadInput(f"{video.where}: this model ({self.architecture}) takes no video here (hsx sends it "
+                           "images only; its vision_chunk video path is not served)")
+        raise BadInput(f"{video.where}: this model ({self.architecture}) takes no video")
+
+    def takes_video(self) -> bool:
+        """Whether the model's vLLM processor allows video items (its supported modalities within
+        --limit-mm-per-prompt); False while the engine is not up to ask."""
+        if self._video is None:
+            processor = getattr(getattr(self._engine(), "renderer", None), "mm_processor", None)
+            if processor is None:
+                return False
+            try:
+                self._video = processor.info.allowed_mm_limits.get("video", 0) > 0
+            except AttributeError:  # a vLLM whose processor does not say: no video rather than a 500
+                self._video = False
+        return self._video
 
     async def expand(self, enc: Encoded, images: list, input_tokens: int, limit: int,
                      limit_name: str = "--max-tokens-per-request / max_length") -> Encoded:
@@ -86,19 +114,22 @@ class ChatImages:
         ranges = sorted((p.offset, p.length) for items in engine_input.get("mm_placeholders", {}).values()
                         for p in items)
         if len(ranges) != len(images):
-            raise BadInput(f"{len(images)} images but {len(ranges)} image placeholders in the rendered chat "
-                           "(the chat template renders each image part once)")
+            raise BadInput(f"{len(images)} images and videos but {len(ranges)} placeholders in the rendered chat "
+                           "(the chat template renders each image and video part once)")
         if len(ids) > limit:
-            raise TooLarge(f"{len(ids)} tokens with the images expanded exceed this request's limit of {limit} "
-                           f"({limit_name}); send smaller or fewer images")
+            raise TooLarge(f"{len(ids)} tokens with the images and videos expanded exceed this request's limit of "
+                           f"{limit} ({limit_name}); send smaller or fewer images, or fewer video frames")
         media, loss = expand_masks(enc.token_ids, ids, ranges, enc.loss_mask)
         return Encoded(ids, loss, enc.mask_source, media_mask=media, engine_input=engine_input)
 
-    def _mm_data(self, images: list) -> dict[str, list]:
+    def _mm_data(self, items: list) -> dict[str, list]:
+        images = [x for x in items if not isinstance(x, Video)]
+        videos = [x.item for x in items if isinstance(x, Video)]
         # Kimi-K2.5's vLLM processor takes images and video chunks as one modality of items.
         if self.architecture.startswith("KimiK25"):
             return {"vision_chunk": [{"type": "image", "image": im, "uuid": None} for im in images]}
-        return {"image": images}
+        # each modality's items in the chat's order: vLLM matches them to its placeholders in turn
+        return {**({"image": images} if images else {}), **({"video": videos} if videos else {})}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -108,11 +139,15 @@ def _with_placeholders(messages: list) -> list:
     out = []
     for m in messages:
         if isinstance(m.content, list):
-            content = [IMAGE_PLACEHOLDER if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES else p
-                       for p in m.content]
+            content = [_placeholder(p) for p in m.content]
             m = m.model_copy(update={"content": content})
         out.append(m)
     return out
+
+
+def _placeholder(part):
+    kind = part.get("type") if isinstance(part, dict) else None
+    return IMAGE_PLACEHOLDER if kind in IMAGE_PART_TYPES else VIDEO_PLACEHOLDER if kind in VIDEO_PART_TYPES else part
 
 
 def expand_masks(before: list[int], after: list[int], ranges: list[tuple[int, int]],

@@ -18,7 +18,7 @@ from hsx_service.core.errors import BadInput, TooLarge
 from hsx_service.http.errors import status_of
 from hsx_service.media.decode import decode_image
 from hsx_service.media.limits import MediaLimits
-from hsx_service.media.parts import find_images, load_images
+from hsx_service.media.parts import find_media, load_media
 
 LIMITS = MediaLimits(max_images=4, max_image_bytes=1 << 20, max_image_pixels=4_000_000)
 WHERE = "messages[0].content[1]"
@@ -30,7 +30,7 @@ def decode(data: bytes, limits: MediaLimits = LIMITS):
 
 def load(urls: list[str], limits: MediaLimits = LIMITS) -> list:
     messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, *map(img.image_part, urls)]}]
-    return asyncio.run(load_images(find_images(messages, limits), limits))
+    return asyncio.run(load_media(find_media(messages, limits), limits))
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +111,8 @@ def test_bad_base64_and_too_many_images():
 
 def test_malformed_parts_are_named():
     with pytest.raises(BadInput, match=r"messages\[1\]\.content\[0\]: an image_url part needs image_url.url"):
-        find_images([{"role": "user", "content": "hi"},
-                     {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], LIMITS)
+        find_media([{"role": "user", "content": "hi"},
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], LIMITS)
     with pytest.raises(BadInput, match="scheme 'ftp' is not supported"):
         load(["ftp://example.com/a.png"])
 
@@ -205,7 +205,7 @@ def test_remote_urls_are_refused_unless_allowed(image_site):
     assert time.perf_counter() - t < 1.2
 
 
-def test_video_and_audio_parts_are_refused_by_name():
-    for kind in ("video_url", "input_audio"):
+def test_audio_and_file_parts_are_refused_by_name():
+    for kind in ("input_audio", "audio_url", "input_file", "file"):
         with pytest.raises(BadInput, match=rf"messages\[0\]\.content\[1\]: '{kind}' parts are not supported"):
-            find_images([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": kind}]}], LIMITS)
+            find_media([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": kind}]}], LIMITS)

@@ -202,3 +202,24 @@ def test_a_token_table_of_chats_with_remote_images_is_refused_before_any_sample(
     srv = InfoServer(layer_ids=[1, 2, 3, 4], chat_template_sha256="abc")
     out, r = _extract_tokens(tmp_path, path, srv)
     refused_and_untouched(r, out, srv, r"1 planned sample\(s\) are chats with images at http\(s\) URLs, and --states none")
+
+
+def test_video_parts_resolve_like_image_parts(tmp_path):
+    """A video_url part's relative path is taken from the input file's directory, kept as a
+    file:// URL in the plan and sent as a data: URI; a missing video is a BadRow naming it."""
+    (tmp_path / "clips").mkdir()
+    clip = b"\x00\x00\x00\x18ftypisom" + b"\x00" * 32  # the client does not decode it (the server does)
+    (tmp_path / "clips" / "a.mp4").write_bytes(clip)
+    rows = [{"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                                       {"type": "text", "text": "What happens?"}]},
+                          {"role": "assistant", "content": "A portrait moves."}]}
+            for url in ("clips/a.mp4", "clips/gone.mp4")]
+    (tmp_path / "v.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad: list = []
+    (sample,) = read_samples([str(tmp_path / "v.jsonl")], bad_rows=bad)
+    assert len(bad) == 1 and "gone.mp4" in bad[0].reason
+    part = sample.request["messages"][0]["content"][0]
+    assert part == images.video_part((tmp_path / "clips" / "a.mp4").resolve().as_uri())
+    assert images.request_has_images(sample.request) and images.needs_inlining(sample.request)
+    sent = images.inline(sample.request)["messages"][0]["content"][0]["video_url"]["url"]
+    assert sent.startswith("data:video/mp4;base64,") and base64.b64decode(sent.split(",", 1)[1]) == clip

@@ -18,7 +18,6 @@ import torch
 
 import _images as img
 from _reference import per_layer_rel_err
-from _server import ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -27,32 +26,14 @@ LAYERS = list(range(NUM_LAYERS + 1))
 TOL = 1e-4  # fp32 on both sides
 
 
-def _torchvision_or_skip() -> None:
-    from hsx.compat import guard_broken_torch_extensions
-
-    guard_broken_torch_extensions()
-    try:
-        import torchvision.transforms.v2.functional  # noqa: F401
-    except Exception as e:  # absent, or hidden because even its op schemas did not help
-        pytest.skip(f"no usable torchvision ({type(e).__name__}: {e}): vLLM's Qwen2-VL family imports it")
+@pytest.fixture(scope="module")
+def image_server(qwen_vl_server):
+    return qwen_vl_server  # conftest.py: shared with test_qwen_vl_video.py
 
 
 @pytest.fixture(scope="module")
-def qwen_vl_model(tmp_path_factory):
-    _torchvision_or_skip()
-    from hsx_tools.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl", "qwen2_5_vl",
-                           num_layers=NUM_LAYERS, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def image_server(qwen_vl_model, log_dir):
-    server = ServerProcess(str(qwen_vl_model), "--dtype", "float32", "--max-model-len", "2048",
-                           "--layers", ",".join(map(str, LAYERS)), "--arena-bytes", "256MiB",
-                           "--max-images-per-request", "4", log_dir=log_dir, name="qwen2_5_vl-images")
-    yield server.wait_ready()
-    server.stop()
+def qwen_vl_model(qwen_vl_server):
+    return qwen_vl_server.model
 
 
 def _chat(urls: list[str]) -> list[dict]:

@@ -123,17 +123,19 @@ def test_an_expansion_past_the_context_is_refused_before_admission():
     {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
     {"type": "video", "video": "file:///tmp/a.mp4"},
 ], ids=["video_url", "video"])
-def test_a_video_part_is_a_400_naming_it_even_for_a_model_whose_vllm_takes_video(part):
-    """hsx takes images only: Qwen2.5-VL's vLLM model reads video, hsx's media path does not,
-    so a video part is refused by name before the tokenizer or the engine sees the chat."""
+def test_a_video_part_is_a_400_naming_it_where_the_processor_takes_no_video(part):
+    """A video part goes only to a model whose vLLM processor allows video (this fake renderer's
+    has no processor to ask); else it is refused by name before the tokenizer or the engine
+    sees the chat, as is a bare placeholder-like `video` part."""
     from hsx_service.http.errors import status_of
 
     gen = _generator()
     body = ChatCompletionRequest(messages=[{"role": "user", "content": [
         {"type": "text", "text": "What happens?"}, part]}], max_tokens=2, temperature=0)
     ticket = SimpleNamespace(client="c", admit=lambda n: None)
-    with pytest.raises(BadInput, match=rf"messages\[0\]\.content\[1\]: '{part['type']}' parts are not supported "
-                                       r"\(hsx takes images: image_url parts\)") as e:
+    words = r"this model \(Qwen2_5_VLForConditionalGeneration\) takes no video" if part["type"] == "video_url" \
+        else "send videos as video_url parts"
+    with pytest.raises(BadInput, match=rf"messages\[0\]\.content\[1\]: {words}") as e:
         asyncio.run(gen.complete(body, "r1", ticket))
     assert status_of(e.value) == 400
     assert gen.st.service.tokenizer.messages is None and not gen.st.prefill.engine.prompts
