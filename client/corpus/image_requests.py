@@ -45,11 +45,11 @@ def encode(body: dict[str, Any]) -> bytes:
 
 def estimated_size(body: dict[str, Any]) -> int:
     """Bytes of the file `body` will make (for the disk estimate, before the run): its JSON,
-    each `file://` image counted as the `data:` URI extract inlines (base64: 4/3 of the file)."""
-    from hsx_client.corpus.images import local_image_paths
+    each `file://` image or video counted as the `data:` URI extract inlines (base64: 4/3 of the file)."""
+    from hsx_client.corpus.images import local_media_paths
 
     size = len(encode(body))
-    for url, path in local_image_paths(body):
+    for url, path in local_media_paths(body):
         try:
             size += (path.stat().st_size + 2) // 3 * 4 + len("data:image/jpeg;base64,") - len(url)
         except OSError:  # refused when the run reads it; nothing to count

@@ -29,7 +29,7 @@ import base64
 import copy
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
@@ -225,11 +225,6 @@ def has_images(row: dict) -> bool:
     return _any_part(msgs, lambda p: p.get("type") in _MEDIA_TYPES or p.get("type") == "image")
 
 
-def _local_urls(messages: Any) -> bool:
-    return _any_part(messages, lambda p: p.get("type") in ("image_url", VIDEO_PART) and
-                     str((p.get(p["type"]) or {}).get("url", "")).startswith("file://"))
-
-
 def request_has_images(body: dict) -> bool:
     """A planned request (messages with image or video parts, as extract plans image chats)."""
     return _any_part(body.get("messages"), lambda p: p.get("type") in _MEDIA_TYPES)
@@ -246,19 +241,23 @@ def _url(part: dict) -> Any:
     return value.get("url", "") if isinstance(value, dict) else value
 
 
-def local_image_paths(body: dict) -> list[tuple[str, Path]]:
-    """(url, path) of every `file://` image of a planned request, as `inline` reads them."""
-    out = []
-    for m in body.get("messages") or ():
+def _file_parts(messages: Any) -> Iterator[tuple[dict, str, str]]:
+    """(part, its URL's key, the URL) of every image or video part at a `file://` URL."""
+    for m in messages or ():
         for part in m.get("content") if isinstance(m, dict) and isinstance(m.get("content"), list) else ():
-            url = (part.get("image_url") or {}).get("url", "") if isinstance(part, dict) else ""
+            key = VIDEO_PART if isinstance(part, dict) and part.get("type") == VIDEO_PART else "image_url"
+            url = (part.get(key) or {}).get("url", "") if isinstance(part, dict) else ""
             if isinstance(url, str) and url.startswith("file://"):
-                out.append((url, Path(unquote(urlsplit(url).path))))
-    return out
+                yield part, key, url
+
+
+def local_media_paths(body: dict) -> list[tuple[str, Path]]:
+    """(url, path) of every `file://` image or video of a planned request, as `inline` reads them."""
+    return [(url, Path(unquote(urlsplit(url).path))) for _, _, url in _file_parts(body.get("messages"))]
 
 
 def needs_inlining(body: dict) -> bool:
-    return _local_urls(body.get("messages"))
+    return next(_file_parts(body.get("messages")), None) is not None
 
 
 def inline(body: dict) -> dict:
@@ -267,16 +266,12 @@ def inline(body: dict) -> dict:
     if not needs_inlining(body):
         return body
     out = dict(body, messages=copy.deepcopy(body["messages"]))
-    for m in out["messages"]:
-        for part in m["content"] if isinstance(m.get("content"), list) else ():
-            key = part.get("type") if isinstance(part, dict) and part.get("type") == VIDEO_PART else "image_url"
-            url = (part.get(key) or {}).get("url", "") if isinstance(part, dict) else ""
-            if isinstance(url, str) and url.startswith("file://"):
-                path = unquote(urlsplit(url).path)
-                try:
-                    part[key] = {**part[key], "url": data_uri(Path(path).read_bytes())}
-                except OSError as exc:
-                    raise ImageFileError(f"image file {path}: {exc.strerror or exc} (moved or deleted since the "
-                                         "plan was made)") from None
+    for part, key, url in list(_file_parts(out["messages"])):
+        path = unquote(urlsplit(url).path)
+        try:
+            part[key] = {**part[key], "url": data_uri(Path(path).read_bytes())}
+        except OSError as exc:
+            raise ImageFileError(f"{'video' if key == VIDEO_PART else 'image'} file {path}: {exc.strerror or exc} "
+                                 "(moved or deleted since the plan was made)") from None
     return out
 
