@@ -4,13 +4,13 @@
 (parts.py, on the media threads, never the event loop) and replaced by the placeholder part
 the chat template renders as the model's image (video) placeholder (chat_content's
 IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER); the bytes never reach the tokenizer processes. A video
-part is taken only where the model's vLLM processor takes video (its allowed modalities). `expand`: after tokenizing, vLLM's own renderer (the
-model's multimodal processor, in this process) expands each placeholder to the image's
-(video's) tokens; the expanded ids are what the engine prefills and the response returns,
-with a media mask marking the image and video tokens and the loss mask never supervising them. The prompt it
-made (pixels and all) goes to the engine as it is: vLLM does not recognise already-expanded
-placeholders (it expanded a pre-expanded Kimi-K2.5 prompt a second time), so hsx never sends
-expanded ids with images.
+part is taken only where the model's vLLM processor takes video (its allowed modalities).
+`expand`: after tokenizing, vLLM's own renderer (the model's multimodal processor, in this
+process) expands each placeholder to the image's (video's) tokens; the expanded ids are what
+the engine prefills and the response returns, with a media mask marking the image and video
+tokens and the loss mask never supervising them. The prompt it made (pixels and all) goes to
+the engine as it is: vLLM does not recognise already-expanded placeholders (it expanded a
+pre-expanded Kimi-K2.5 prompt a second time), so hsx never sends expanded ids with images.
 """
 
 from __future__ import annotations
