@@ -57,7 +57,7 @@ def _is_content_access(node: nodes.Node, content_vars: set[str]) -> bool:
     return isinstance(node, nodes.Name) and node.name in content_vars
 
 
-# An image (video) part once the server has loaded it (service/media/chat_images.py): what a
+# An image (video) part once the server has loaded it (service/media/chat_media.py): what a
 # parts template renders as the model's image (video) placeholder. Clients send `image_url`
 # (`video_url`) parts.
 IMAGE_PLACEHOLDER = {"type": "image"}

@@ -30,7 +30,7 @@ from hsx_service.core.errors import BadInput, NoSupervisedTokens, TooLarge
 from hsx_service.engine.lease import Leases
 from hsx_service.core.metrics import Metrics
 from hsx_service.core.schema import HiddenStatesRequest
-from hsx_service.media.chat_images import ChatImages
+from hsx_service.media.chat_media import ChatMedia
 from hsx_service.media.limits import MediaLimits
 from hsx_service.body.compress import CompressPool, default_threads
 from hsx_service.replies import LeaseTerms, Outgoing, Replies, Reply
@@ -78,7 +78,7 @@ class HiddenStatesService:
         # Text beyond what max_tokens could ever need is work without use: refused before any
         # templating or tokenizing, on every route that takes text (text_bounds.py).
         self.max_text_bytes = settings.max_text_bytes or default_max_text_bytes(self.max_tokens)
-        self.media = ChatImages(MediaLimits.from_settings(settings), lambda: prefill.engine,
+        self.media = ChatMedia(MediaLimits.from_settings(settings), lambda: prefill.engine,
                                 getattr(getattr(prefill, "vllm_config", None), "model_config", None), f.architecture,
                                 settings.request_timeout)
         self.compress = CompressPool(settings.compress_threads or default_threads(), settings.compress_inflight,

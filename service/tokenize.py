@@ -42,7 +42,7 @@ class Encoded:
     # False: tokenizing stopped once past the caller's `most` tokens; token_ids are the first
     # most + 1 only (the caller refuses the input: it cannot fit).
     complete: bool = True
-    # Chats with images or videos (service/media/chat_images.py): 1 for each image or video token (the model's
+    # Chats with images or videos (service/media/chat_media.py): 1 for each image or video token (the model's
     # processor's expansion of its placeholders), and vLLM's processed prompt that holds them.
     media_mask: list[int] | None = None
     engine_input: Any = None

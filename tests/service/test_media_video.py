@@ -20,7 +20,7 @@ from hsx_service.chat_content import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from hsx_service.core.errors import BadInput, TooLarge
 from hsx_service.core.schema import HiddenStatesRequest
 from hsx_service.http.errors import status_of
-from hsx_service.media.chat_images import ChatImages
+from hsx_service.media.chat_media import ChatMedia
 from hsx_service.media.limits import MediaLimits
 from hsx_service.media.parts import find_media, load_media
 from hsx_service.media.video import Video, decode_video
@@ -116,7 +116,7 @@ class _Processor:
 
 
 class _Renderer:
-    """vLLM's renderer as ChatImages uses it: two tokens per image, three per video placeholder."""
+    """vLLM's renderer as ChatMedia uses it: two tokens per image, three per video placeholder."""
 
     def __init__(self, allowed: dict) -> None:
         self.mm_processor = _Processor(allowed)
@@ -137,9 +137,9 @@ class _Renderer:
 IMG, VID = 9, 10
 
 
-def _media(allowed: dict, arch: str = QWEN) -> ChatImages:
+def _media(allowed: dict, arch: str = QWEN) -> ChatMedia:
     engine = SimpleNamespace(renderer=_Renderer(allowed))
-    return ChatImages(LIMITS, lambda: engine, SimpleNamespace(is_multimodal_model=True), arch)
+    return ChatMedia(LIMITS, lambda: engine, SimpleNamespace(is_multimodal_model=True), arch)
 
 
 def _chat(*parts) -> HiddenStatesRequest:

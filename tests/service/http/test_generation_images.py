@@ -16,7 +16,7 @@ from hsx_service.chat_content import IMAGE_PLACEHOLDER
 from hsx_service.core.errors import BadInput, TooLarge
 from hsx_service.http import routes_generation
 from hsx_service.http.routes_generation import ChatCompletionRequest, Generator
-from hsx_service.media.chat_images import ChatImages
+from hsx_service.media.chat_media import ChatMedia
 from hsx_service.media.limits import MediaLimits
 from hsx_service.tokenize import Encoded
 
@@ -57,7 +57,7 @@ class _Engine:
 def _generator(architecture: str = QWEN, multimodal: bool = True, **limits) -> Generator:
     engine = _Engine()
     facts = SimpleNamespace(served_model_name="m", model="m", max_model_len=64)
-    media = ChatImages(MediaLimits(**limits), lambda: engine,
+    media = ChatMedia(MediaLimits(**limits), lambda: engine,
                        SimpleNamespace(is_multimodal_model=multimodal), architecture)
     service = SimpleNamespace(media=media, max_text_bytes=1000, tokenizer=_Tokenizer())
     st = SimpleNamespace(prefill=SimpleNamespace(vllm_config=None, facts=facts, engine=engine), service=service,

@@ -29,7 +29,7 @@ from hsx_service.tokenize import Encoded
 DECODE_THREADS = 2  # image and video decoding's own threads: a burst of images waits here, not in the loop's pool
 
 
-class ChatImages:
+class ChatMedia:
     def __init__(self, limits: MediaLimits, engine_getter, model_config: Any = None, architecture: str = "",
                  timeout: float | None = None):
         self.limits = limits

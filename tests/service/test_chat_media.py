@@ -13,7 +13,7 @@ import _images as img
 from hsx_service.chat_content import IMAGE_PLACEHOLDER, content_format, normalize_messages
 from hsx_service.core.errors import BadInput, EngineTimeout, TooLarge
 from hsx_service.core.schema import HiddenStatesRequest
-from hsx_service.media.chat_images import ChatImages, expand_masks
+from hsx_service.media.chat_media import ChatMedia, expand_masks
 from hsx_service.media.limits import MediaLimits
 from hsx_tools.tiny_model import CHAT_TEMPLATE as STRING_TEMPLATE
 from hsx_tools.tiny_vlm import KIMI_CHAT_TEMPLATE
@@ -63,7 +63,7 @@ def _chat(*parts) -> HiddenStatesRequest:
 
 
 def test_take_loads_images_and_leaves_placeholders():
-    media = ChatImages(MediaLimits(), lambda: None, _Config(), "KimiK25ForConditionalGeneration")
+    media = ChatMedia(MediaLimits(), lambda: None, _Config(), "KimiK25ForConditionalGeneration")
     req = _chat({"type": "text", "text": "a"}, img.image_part(img.data_uri(img.png(20, 10))))
     out, images = asyncio.run(media.take(req))
     assert [i.size for i in images] == [(20, 10)]
@@ -73,14 +73,14 @@ def test_take_loads_images_and_leaves_placeholders():
 
 
 def test_a_text_only_model_refuses_image_parts_by_name():
-    media = ChatImages(MediaLimits(), lambda: None, None, "LlamaForCausalLM")
+    media = ChatMedia(MediaLimits(), lambda: None, None, "LlamaForCausalLM")
     with pytest.raises(BadInput, match=r"messages\[0\]\.content\[1\]: image_url parts need a model that takes images; "
                        r"this one \(LlamaForCausalLM\) does not"):
         asyncio.run(media.take(_chat({"type": "text", "text": "a"}, img.image_part(img.data_uri(img.png())))))
 
 
 def test_raw_placeholder_parts_are_refused():
-    media = ChatImages(MediaLimits(), lambda: None, _Config(), "KimiK25ForConditionalGeneration")
+    media = ChatMedia(MediaLimits(), lambda: None, _Config(), "KimiK25ForConditionalGeneration")
     with pytest.raises(BadInput, match=r"messages\[0\]\.content\[0\]: send images as image_url parts"):
         asyncio.run(media.take(_chat({"type": "image"})))
 
@@ -88,7 +88,7 @@ def test_raw_placeholder_parts_are_refused():
 def test_a_truncated_chat_with_images_is_refused():
     from hsx_service.tokenize import Encoded
 
-    media = ChatImages(MediaLimits(), lambda: None, _Config(), "KimiK25ForConditionalGeneration")
+    media = ChatMedia(MediaLimits(), lambda: None, _Config(), "KimiK25ForConditionalGeneration")
     with pytest.raises(TooLarge, match="a chat with images is not truncated"):
         asyncio.run(media.expand(Encoded([1, PAD], None, "none"), ["img"], input_tokens=5, limit=2))
 
@@ -106,7 +106,7 @@ def test_the_processors_expansion_is_bounded_by_the_request_timeout():
     class Engine:
         renderer = SlowRenderer()
 
-    media = ChatImages(MediaLimits(), lambda: Engine(), _Config(), "KimiK25ForConditionalGeneration", timeout=0.05)
+    media = ChatMedia(MediaLimits(), lambda: Engine(), _Config(), "KimiK25ForConditionalGeneration", timeout=0.05)
     with pytest.raises(EngineTimeout, match=r"did not expand the images within 0.05s \(--request-timeout\)") as e:
         asyncio.run(media.expand(Encoded([1, PAD], None, "none"), ["img"], input_tokens=2, limit=100))
     assert STATUS[type(e.value)] == 504
@@ -141,7 +141,7 @@ def test_an_audio_or_unservable_video_part_is_a_400_naming_the_part(arch, kind, 
     any image of the request is decoded."""
     from hsx_service.http.errors import STATUS
 
-    media = ChatImages(MediaLimits(), lambda: None, _Config(), arch)
+    media = ChatMedia(MediaLimits(), lambda: None, _Config(), arch)
     req = _chat(img.image_part(img.data_uri(img.png())), {"type": kind, kind: {"url": "data:video/mp4;base64,AAAA"}})
     with pytest.raises(BadInput, match=rf"messages\[0\]\.content\[1\]: {words}") as e:
         asyncio.run(media.take(req))
