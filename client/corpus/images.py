@@ -89,7 +89,7 @@ def row_images(row: dict) -> list[Any]:
     return [v for v in values if v is not None and v != ""]
 
 
-def _file_url(path: str, where: str, base: Path | None) -> str:
+def _file_url(path: str, where: str, base: Path | None, kind: str = "image") -> str:
     if path.lower().startswith("file:"):
         parts = urlsplit(path)
         if parts.netloc not in ("", "localhost"):
@@ -98,18 +98,18 @@ def _file_url(path: str, where: str, base: Path | None) -> str:
     p = Path(path).expanduser()
     if not p.is_absolute():
         if base is None:
-            raise RowProblem(f"{where}: relative image path {path!r} in a hub dataset (give absolute paths or bytes)")
+            raise RowProblem(f"{where}: relative {kind} path {path!r} in a hub dataset (give absolute paths or bytes)")
         p = base / p
     try:
         if not stat.S_ISREG(os.stat(p).st_mode):
-            raise RowProblem(f"{where}: image path {str(p)!r} is not a file", MISSING_IMAGE)
+            raise RowProblem(f"{where}: {kind} path {str(p)!r} is not a file", MISSING_IMAGE)
     except OSError:
-        raise RowProblem(f"{where}: image file not found: {p}", MISSING_IMAGE) from None
+        raise RowProblem(f"{where}: {kind} file not found: {p}", MISSING_IMAGE) from None
     return "file://" + quote(os.path.abspath(p))
 
 
-def _url_of(value: Any, where: str, base: Path | None) -> str:
-    """One image reference as the URL the plan keeps."""
+def _url_of(value: Any, where: str, base: Path | None, kind: str = "image") -> str:
+    """One image (video) reference as the URL the plan keeps."""
     if isinstance(value, dict) and ("bytes" in value or "path" in value):  # a datasets Image, undecoded
         if value.get("bytes"):
             return data_uri(bytes(value["bytes"]))
@@ -125,7 +125,7 @@ def _url_of(value: Any, where: str, base: Path | None) -> str:
     scheme = value.split(":", 1)[0].lower() if ":" in value[:12] else ""
     if scheme in ("data", "http", "https"):
         return value
-    return _file_url(value, where, base)
+    return _file_url(value, where, base, kind)
 
 
 def _part_url(part: dict, where: str, base: Path | None, given: list[Any]) -> str:
@@ -169,7 +169,7 @@ def _video_url(part: dict, where: str, base: Path | None) -> str:
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
         raise RowProblem(f"{where}: a video_url part needs video_url.url, a non-empty string")
-    return _url_of(url, where, base)
+    return _url_of(url, where, base, "video")
 
 
 def resolve(messages: list[dict], row: dict, base: Path | None) -> list[dict]:

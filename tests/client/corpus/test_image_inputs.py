@@ -217,7 +217,7 @@ def test_video_parts_resolve_like_image_parts(tmp_path):
     (tmp_path / "v.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     bad: list = []
     (sample,) = read_samples([str(tmp_path / "v.jsonl")], bad_rows=bad)
-    assert len(bad) == 1 and "gone.mp4" in bad[0].reason
+    assert len(bad) == 1 and "video file not found" in bad[0].reason and "gone.mp4" in bad[0].reason
     part = sample.request["messages"][0]["content"][0]
     assert part == images.video_part((tmp_path / "clips" / "a.mp4").resolve().as_uri())
     assert images.request_has_images(sample.request) and images.needs_inlining(sample.request)
