@@ -246,26 +246,35 @@ def kimi_vl_server(tmp_path_factory, log_dir):
     server.stop()
 
 
+QWEN_VL_NUM_LAYERS = 4
+QWEN_VL_LAYERS = list(range(QWEN_VL_NUM_LAYERS + 1))  # every id, QWEN_VL_NUM_LAYERS = pre-norm last
+
+
 @pytest.fixture(scope="session")
-def qwen_vl_server(tmp_path_factory, log_dir):
-    """A tiny Qwen2.5-VL (4 layers, fp32, every id 0..4), shared by its image and video modules
-    (test_qwen_vl_images.py, test_qwen_vl_video.py): at most 4 images and 8 video frames a
-    request, so each module provokes its refusal cheaply. Attribute: model."""
-    need_vllm()
+def qwen_vl_model(tmp_path_factory) -> Path:
+    """A tiny Qwen2.5-VL (fp32), once torchvision imports (vLLM's Qwen2-VL family needs it)."""
     from hsx.compat import guard_broken_torch_extensions
     from hsx_tools.tiny_model import make_tiny_model
 
-    guard_broken_torch_extensions()  # vLLM's Qwen2-VL family imports torchvision
+    guard_broken_torch_extensions()
     try:
         import torchvision.transforms.v2.functional  # noqa: F401
     except Exception as e:  # absent, or hidden because even its op schemas did not help
         pytest.skip(f"no usable torchvision ({type(e).__name__}: {e}): vLLM's Qwen2-VL family imports it")
-    model = make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl", "qwen2_5_vl", num_layers=4,
-                            dtype="float32")
-    server = ServerProcess(str(model), "--dtype", "float32", "--max-model-len", "2048", "--layers", "0,1,2,3,4",
-                           "--arena-bytes", "256MiB", "--max-images-per-request", "4", "--max-video-frames", "8",
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2_5_vl", "qwen2_5_vl",
+                           num_layers=QWEN_VL_NUM_LAYERS, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def qwen_vl_server(qwen_vl_model, log_dir):
+    """`qwen_vl_model` served with every layer id, shared by its image and video modules
+    (test_qwen_vl_images.py, test_qwen_vl_video.py): at most 4 images and 8 video frames a
+    request, so each module provokes its refusal cheaply."""
+    need_vllm()
+    server = ServerProcess(str(qwen_vl_model), "--dtype", "float32", "--max-model-len", "2048",
+                           "--layers", ",".join(map(str, QWEN_VL_LAYERS)), "--arena-bytes", "256MiB",
+                           "--max-images-per-request", "4", "--max-video-frames", "8",
                            log_dir=log_dir, name="qwen2_5_vl")
-    server.model = model
     GROUP_SERVERS.append(server.stop)
     yield server.wait_ready()
     server.stop()

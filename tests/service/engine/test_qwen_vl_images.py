@@ -18,22 +18,11 @@ import torch
 
 import _images as img
 from _reference import per_layer_rel_err
+from conftest import QWEN_VL_LAYERS as LAYERS, QWEN_VL_NUM_LAYERS as NUM_LAYERS
 
 pytestmark = pytest.mark.slow
 
-NUM_LAYERS = 4
-LAYERS = list(range(NUM_LAYERS + 1))
 TOL = 1e-4  # fp32 on both sides
-
-
-@pytest.fixture(scope="module")
-def image_server(qwen_vl_server):
-    return qwen_vl_server  # conftest.py: shared with test_qwen_vl_video.py
-
-
-@pytest.fixture(scope="module")
-def qwen_vl_model(qwen_vl_server):
-    return qwen_vl_server.model
 
 
 def _chat(urls: list[str]) -> list[dict]:
@@ -73,12 +62,12 @@ CASES = {
 
 @pytest.mark.engine
 @pytest.mark.parametrize("case", list(CASES))
-def test_image_chat_states_match_transformers_at_every_layer(image_server, qwen_vl_model, case):
+def test_image_chat_states_match_transformers_at_every_layer(qwen_vl_server, qwen_vl_model, case):
     from safetensors.torch import load as st_load
 
     images = CASES[case]
     chat = _chat([img.data_uri(b, "image/jpeg" if b[:2] == b"\xff\xd8" else "image/png") for b in images])
-    r = httpx.post(image_server.url + "/hidden_states", json={"messages": chat}, timeout=300,
+    r = httpx.post(qwen_vl_server.url + "/hidden_states", json={"messages": chat}, timeout=300,
                    headers={"Accept-Encoding": "identity"})
     assert r.status_code == 200, r.text
     t = st_load(r.content)
@@ -105,7 +94,7 @@ def _size(data: bytes) -> tuple[int, int]:
 
 
 @pytest.mark.engine
-def test_chat_completion_with_images_takes_transformers_greedy_token(image_server, qwen_vl_model):
+def test_chat_completion_with_images_takes_transformers_greedy_token(qwen_vl_server, qwen_vl_model):
     """/v1/chat/completions with the same image parts: the prompt ids are the expanded ones,
     the first greedy token is transformers' argmax on them and the same images, and a bad
     image is refused naming its part while the engine serves on."""
@@ -116,7 +105,7 @@ def test_chat_completion_with_images_takes_transformers_greedy_token(image_serve
     images = [img.png(60, 90, (20, 160, 60)), img.jpeg(200, 150)]
     chat = [{"role": "user", "content": [*(img.image_part(img.data_uri(b)) for b in images),
                                          {"type": "text", "text": "What is in them?"}]}]
-    r = httpx.post(image_server.url + "/v1/chat/completions", timeout=300,
+    r = httpx.post(qwen_vl_server.url + "/v1/chat/completions", timeout=300,
                    json={"messages": chat, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     out = r.json()
@@ -134,7 +123,7 @@ def test_chat_completion_with_images_takes_transformers_greedy_token(image_serve
                                           mm_token_type_ids=media[None].int()).logits[0, -1]
     top2 = logits.topk(2)
     assert first == int(top2.indices[0]) or float(top2.values[0] - top2.values[1]) < 1e-4, (first, top2)
-    bad = httpx.post(image_server.url + "/v1/chat/completions", timeout=60, json={
+    bad = httpx.post(qwen_vl_server.url + "/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": [img.image_part(img.data_uri(img.SVG, "image/svg+xml"))]}]})
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("messages[0].content[0]: ")
-    assert httpx.get(image_server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(qwen_vl_server.url + "/health", timeout=10).status_code == 200

@@ -21,23 +21,12 @@ import torch
 
 import _videos as vid
 from _reference import per_layer_rel_err
+from conftest import QWEN_VL_LAYERS as LAYERS, QWEN_VL_NUM_LAYERS as NUM_LAYERS
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("cv2")  # the test writes its videos with OpenCV
 
-NUM_LAYERS = 4
-LAYERS = list(range(NUM_LAYERS + 1))
 TOL = 1e-4  # fp32 on both sides
-
-
-@pytest.fixture(scope="module")
-def video_server(qwen_vl_server):
-    pytest.importorskip("cv2")
-    return qwen_vl_server  # conftest.py: shared with test_qwen_vl_images.py
-
-
-@pytest.fixture(scope="module")
-def qwen_vl_model(qwen_vl_server):
-    return qwen_vl_server.model
 
 
 def _chat(video: bytes) -> list[dict]:
@@ -88,12 +77,12 @@ def _reference(model_dir: Path, ids: list[int], media: torch.Tensor, video: byte
 
 
 @pytest.mark.engine
-def test_video_chat_states_match_transformers_at_every_layer(video_server, qwen_vl_model):
+def test_video_chat_states_match_transformers_at_every_layer(qwen_vl_server, qwen_vl_model):
     from safetensors.torch import load as st_load
 
     video = vid.mp4(112, 84, frames=4, fps=2.0)
     chat = _chat(video)
-    r = httpx.post(video_server.url + "/hidden_states", json={"messages": chat}, timeout=300,
+    r = httpx.post(qwen_vl_server.url + "/hidden_states", json={"messages": chat}, timeout=300,
                    headers={"Accept-Encoding": "identity"})
     assert r.status_code == 200, r.text
     t = st_load(r.content)
@@ -102,7 +91,7 @@ def test_video_chat_states_match_transformers_at_every_layer(video_server, qwen_
     # 4 frames of 84x112: 2 temporal patches of 6 x 8 patches, merged 2 x 2: 24 video tokens
     assert [i for i, m in zip(ids, media.tolist()) if m] == [pad] * 24 and ids.count(pad) == 24
     assert not bool((media.bool() & loss.bool()).any()) and int(loss.sum()) > 0
-    tok = httpx.post(video_server.url + "/tokenize", json={"messages": chat}, timeout=300)
+    tok = httpx.post(qwen_vl_server.url + "/tokenize", json={"messages": chat}, timeout=300)
     assert tok.status_code == 200, tok.text
     assert tok.json()["token_ids"] == ids and tok.json()["media_mask"] == media.tolist()
     ref = _reference(qwen_vl_model, ids, media, video)
@@ -124,8 +113,8 @@ def test_video_chat_states_match_transformers_at_every_layer(video_server, qwen_
 
 
 @pytest.mark.engine
-def test_text_chats_are_served_and_a_hostile_video_is_refused_fast(video_server):
-    text = httpx.post(video_server.url + "/hidden_states", timeout=300,
+def test_text_chats_are_served_and_a_hostile_video_is_refused_fast(qwen_vl_server):
+    text = httpx.post(qwen_vl_server.url + "/hidden_states", timeout=300,
                       json={"messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]})
     assert text.status_code == 200, text.text
     video = vid.mp4(112, 84, frames=4)
@@ -133,11 +122,11 @@ def test_text_chats_are_served_and_a_hostile_video_is_refused_fast(video_server)
                                 (vid.mp4(64, 48, frames=9), 413, "over --max-video-frames 8"),
                                 (b"#EXTM3U\n", 400, "not a video")]:
         t = time.perf_counter()
-        r = httpx.post(video_server.url + "/hidden_states", timeout=60,
+        r = httpx.post(qwen_vl_server.url + "/hidden_states", timeout=60,
                        json={"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                         vid.video_part(vid.data_uri(data))]}]})
         took = time.perf_counter() - t
         msg = r.json()["error"]["message"]
         assert r.status_code == status and msg.startswith("messages[0].content[1]: ") and words in msg, r.text
         assert took < 5, f"{words}: {took:.2f}s"
-    assert httpx.get(video_server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(qwen_vl_server.url + "/health", timeout=10).status_code == 200
