@@ -128,13 +128,18 @@ def _url_of(value: Any, where: str, base: Path | None, kind: str = "image") -> s
     return _file_url(value, where, base, kind)
 
 
+def _given_url(value: Any, field: str, where: str) -> str:
+    """The URL an OpenAI media part gives in `field` (an object with `url`, or the URL itself)."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        article = "an" if field == "image_url" else "a"
+        raise RowProblem(f"{where}: {article} {field} part needs {field}.url, a non-empty string")
+    return url
+
+
 def _part_url(part: dict, where: str, base: Path | None, given: list[Any]) -> str:
     if part.get("type") in _PART_TYPES:
-        value = part.get("image_url", part.get("image"))
-        url = value.get("url") if isinstance(value, dict) else value
-        if not isinstance(url, str) or not url:
-            raise RowProblem(f"{where}: an image_url part needs image_url.url, a non-empty string")
-        return _url_of(url, where, base)
+        return _url_of(_given_url(part.get("image_url", part.get("image")), "image_url", where), where, base)
     for key in ("path", "url", "image"):  # speculators' and transformers' image parts
         if part.get(key) is not None:
             return _url_of(part[key], where, base)
@@ -165,11 +170,7 @@ def video_part(url: str) -> dict:
 
 
 def _video_url(part: dict, where: str, base: Path | None) -> str:
-    value = part.get(VIDEO_PART)
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url:
-        raise RowProblem(f"{where}: a video_url part needs video_url.url, a non-empty string")
-    return _url_of(url, where, base, "video")
+    return _url_of(_given_url(part.get(VIDEO_PART), VIDEO_PART, where), where, base, "video")
 
 
 def resolve(messages: list[dict], row: dict, base: Path | None) -> list[dict]:
