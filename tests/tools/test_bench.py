@@ -269,9 +269,9 @@ def test_image_chat_workload_redoes_a_chat_whose_lease_was_gone_and_counts_it() 
                 raise LeaseExpiredError("gone", status=410, type="lease_gone")
 
     chats = [[{"role": "user", "content": "a"}] * 3, [{"role": "user", "content": "b"}] * 5]
-    client, redone = Client(gone=1), []
-    got = asyncio.run(_fire_with(client, chats, 1, "auto", redone))
-    assert got == [(3, 1), (5, 1)] and len(redone) == 1 and len(client.posted) == 3
+    client = Client(gone=1)
+    got, redos = asyncio.run(_fire_with(client, chats, 1, "auto"))
+    assert got == [(3, 1), (5, 1)] and redos == 1 and len(client.posted) == 3
     with pytest.raises(LeaseExpiredError):  # a lease that never holds fails the run, after the redos
-        asyncio.run(_fire_with(Client(gone=99), chats[:1], 1, "auto", []))
+        asyncio.run(_fire_with(Client(gone=99), chats[:1], 1, "auto"))
     assert LEASE_REDOS >= 1

@@ -162,19 +162,20 @@ def _client(url: str, concurrency: int, transfer: str):
 LEASE_REDOS = 3
 
 
-async def _fire_with(client, chats: list, concurrency: int, transfer: str,
-                     redone: list[int] | None = None) -> list[tuple[int, int]]:
+async def _fire_with(client, chats: list, concurrency: int, transfer: str) -> tuple[list[tuple[int, int]], int]:
     """(tokens, image tokens) of each chat's states, every body decoded (leased states copied
-    out of the server's shared memory, then released). A lease gone at its release (410) is
-    counted in `redone` and its chat redone, so that a run reports such leases instead of dying
-    of the first one (the server's /metrics then say how they ended: `_lease_outcomes`)."""
+    out of the server's shared memory, then released), and how many chats were redone: a lease
+    gone at its release (410) redoes its chat, so that a run reports such leases instead of
+    dying of the first one (the server's /metrics then say how they ended: `_lease_outcomes`)."""
     from hsx.wire import decode
     from hsx_client.errors import LeaseExpiredError
 
     lease_ok = TRANSFER_MODES[transfer][2]
     sem = asyncio.Semaphore(concurrency)
+    redos = 0
 
     async def one(chat: list) -> tuple[int, int]:
+        nonlocal redos
         async with sem:
             for attempt in range(LEASE_REDOS + 1):
                 r = await client.hidden_states_response({"messages": chat}, lease_ok=lease_ok)
@@ -186,8 +187,7 @@ async def _fire_with(client, chats: list, concurrency: int, transfer: str,
                 try:
                     await client.release_lease(r.lease)
                 except LeaseExpiredError:
-                    if redone is not None:
-                        redone.append(1)
+                    redos += 1
                     if attempt == LEASE_REDOS:
                         raise
                     continue
@@ -196,7 +196,8 @@ async def _fire_with(client, chats: list, concurrency: int, transfer: str,
                 break
             return len(d.token_ids), int(d.media_mask.sum()) if d.media_mask is not None else 0
 
-    return list(await asyncio.gather(*(one(c) for c in chats)))
+    got = list(await asyncio.gather(*(one(c) for c in chats)))
+    return got, redos
 
 
 def _lease_outcomes(server) -> dict[str, float]:
@@ -204,10 +205,10 @@ def _lease_outcomes(server) -> dict[str, float]:
     return server.metrics().by_label("hsx_leases_total", "outcome")
 
 
-async def _fire(url: str, chats: list, concurrency: int, transfer: str = "http:zstd",
-                redone: list[int] | None = None) -> list[tuple[int, int]]:
+async def _fire(url: str, chats: list, concurrency: int,
+                transfer: str = "http:zstd") -> tuple[list[tuple[int, int]], int]:
     async with _client(url, concurrency, transfer) as client:
-        return await _fire_with(client, chats, concurrency, transfer, redone)
+        return await _fire_with(client, chats, concurrency, transfer)
 
 
 async def _client_session(cfg: dict, chats: list) -> dict:
@@ -219,9 +220,8 @@ async def _client_session(cfg: dict, chats: list) -> dict:
         while not go.exists():
             await asyncio.sleep(0.002)
         t0 = time.time()
-        redone: list[int] = []
-        got = await _fire_with(client, chats, cfg["concurrency"], cfg["transfer"], redone)
-        return {"start": t0, "end": time.time(), "got": got, "lease_redos": len(redone)}
+        got, redos = await _fire_with(client, chats, cfg["concurrency"], cfg["transfer"])
+        return {"start": t0, "end": time.time(), "got": got, "lease_redos": redos}
 
 
 def client_main(config_path: str) -> int:
@@ -298,9 +298,8 @@ def _run_hsx(ctx: dict[str, Any], workdir: Path, timeout: float) -> list[dict[st
             else:
                 chats = make_chats(ctx["chats"], ctx["seed"], variant)
                 t0 = time.monotonic()
-                redone: list[int] = []
-                got = asyncio.run(_fire(server.url, chats, ctx["concurrency"], transfer, redone))
-                seconds, redos = time.monotonic() - t0, len(redone)
+                got, redos = asyncio.run(_fire(server.url, chats, ctx["concurrency"], transfer))
+                seconds = time.monotonic() - t0
             after = _lease_outcomes(server)
             outcomes = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
             out.append({"transfer": transfer, "engine_start_s": start_s, "seconds": seconds,
