@@ -26,6 +26,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then  # else installed by this 
     'pytest>=8,<9' pytest-asyncio pytest-timeout pytest-xdist psutil
   # As in install.sh: PyPI's torchvision/torchaudio/torchcodec are built for the CUDA torch.
   pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  venv_compile "$venv"
   echo "$want" > "$stamp"
 else
   venv_install "$venv" --no-deps -e .  # the same packages: point the editable install at this checkout

@@ -43,6 +43,7 @@ else
       "loguru>=0.7.2,<=0.7.3" "numpy>=2,<=2.5.4" "openai>=2" protobuf psutil "pydantic>=2" \
       "pydantic-settings>=2" rich safetensors "tqdm>=4.66.3,<=4.70.1" "transformers>=5,<=5.19.0" "typer>=0.12"
   fi
+  venv_compile "$venv"
   echo "$want" > "$stamp"
 fi
 python -c "import hsx, hsx_client; print('hsx', hsx.__version__, 'installed in $venv')"
