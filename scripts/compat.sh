@@ -34,5 +34,11 @@ fi
 python -c "import vllm, sys; v = vllm.__version__; print('vllm', v, 'in', sys.prefix); assert v == '$version', v"
 [ "${1:-}" = --install-only ] && exit 0
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+# vLLM's cache of what each model class supports (modelinfos/, keyed by the model file's hash)
+# in a folder of this release's own: one shared with another release, as when CI runs two
+# side by side, is rewritten by each, and every engine start then inspects its model classes
+# again in subprocesses of their own (about 10 s of CPU each on the 2-core box).
+VLLM_CACHE_ROOT="$(cd "$venv" && pwd)/.vllm-cache"
+export VLLM_CACHE_ROOT
 exec python -m pytest -q -ra -n "${HSX_TEST_WORKERS:-0}" --dist loadgroup --no-loadscope-reorder -m compat tests/service/test_service_correctness.py tests/service/http/test_service_hardening.py \
   tests/service/test_service_startup.py tests/service/engine/test_parallel.py tests/service/engine/test_model_families.py "$@"
