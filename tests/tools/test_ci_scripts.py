@@ -23,16 +23,16 @@ def test_scripts_are_valid_shell(script):
         assert r.returncode == 0, r.stdout
 
 
-def test_ci_runs_the_fast_tier_beside_the_wheel_check_then_the_readme_s_command():
+def test_ci_runs_the_fast_tier_then_the_readme_s_command_with_the_wheel_check_beside_both():
     run = (REPO / ".ci" / "run").read_text()
     lines = run.splitlines()
     stages = [ln for ln in lines if ln.startswith("stage ")]
-    # The wheel check starts (in the background) before the fast tier and is waited for before
+    # The wheel check starts (in the background) before the fast tier and is waited for after
     # the engine tiers; a failing fast tier stops the run (set -e) and the check with it (trap).
-    start_wheel, fast, wait_wheel, rest = (next(i for i, ln in enumerate(lines) if s in ln and not ln.startswith("#"))
+    start_wheel, fast, rest, wait_wheel = (next(i for i, ln in enumerate(lines) if s in ln and not ln.startswith("#"))
                                            for s in ("bash scripts/wheel_check.sh", '"not engine and not slow"',
-                                                     "stage \"wheel check", '"engine or slow"'))
-    assert start_wheel < fast < wait_wheel < rest
+                                                     '"engine or slow"', "stage \"wheel check"))
+    assert start_wheel < fast < rest < wait_wheel
     assert "set -euo pipefail" in run and "kill $wheel_job" in run
     assert "bash scripts/test.sh" in (REPO / "README.md").read_text()
     assert sum("bash scripts/test.sh" in ln for ln in stages) == 2
@@ -40,6 +40,16 @@ def test_ci_runs_the_fast_tier_beside_the_wheel_check_then_the_readme_s_command(
     assert "HSX_VENV=" in run and "HSX_COMPAT_VENVS=" in run  # reused between clones, stamped by what they install
     for script in ("install.sh", "compat.sh"):
         assert ".hsx-install" in (REPO / "scripts" / script).read_text()
+
+
+def test_every_environment_the_scripts_build_is_compiled_to_bytecode():
+    """uv installs no bytecode; where processes may not write it (PYTHONDONTWRITEBYTECODE=1),
+    every engine start compiled torch and vLLM from source in each of its processes."""
+    assert "compileall" in (REPO / "scripts" / "venv_install.sh").read_text()
+    for script in ("install.sh", "compat.sh"):
+        text = (REPO / "scripts" / script).read_text()
+        assert 'venv_compile "$venv"' in text.split('echo "$want" > "$stamp"')[0], script  # before the stamp
+    assert "compileall" in (REPO / "scripts" / "test.sh").read_text()  # the checkout's own modules
 
 
 def test_ci_builds_the_compat_environments_in_the_background_from_the_start():
