@@ -377,6 +377,22 @@ def pytest_configure(config):
 
 
 # ----------------------------------------------------------------------------- engine census
+def pytest_sessionfinish(session):
+    """Under pytest-xdist each worker hands its engine starts to the controller, which prints them."""
+    from _server import ENGINE_STARTS
+
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["hsx_engine_starts"] = [(s.name, s.by, s.seconds) for s in ENGINE_STARTS]
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, on the controller
+def pytest_testnodedown(node, error):
+    from _server import ENGINE_STARTS, EngineStart
+
+    for name, by, seconds in getattr(node, "workeroutput", {}).get("hsx_engine_starts", ()):
+        ENGINE_STARTS.append(EngineStart(name, by, seconds=seconds))
+
+
 def pytest_terminal_summary(terminalreporter):
     """How many `hsx serve` engines this run started and how long each took to be ready:
     engine start-up is most of the engine tiers' time on the 2-core CI box."""

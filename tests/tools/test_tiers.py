@@ -67,6 +67,12 @@ def e2e_pool():
     yield "the shared pool"
 '''
 
+# The same, counted in the run's engine census as a real server is (in a subprocess only: an
+# in-process run would add it to this process's census).
+COUNTED_POOL = POOL_STANDIN.replace(
+    "    yield", "    from _server import ENGINE_STARTS, EngineStart\n"
+    "    ENGINE_STARTS.append(EngineStart('pool', 'e2e_pool', seconds=1.5))\n    yield")
+
 GROUPS = '''
 import pytest
 from _server import EngineGuard
@@ -113,7 +119,7 @@ def test_under_xdist_a_group_runs_on_one_worker(pytester):
     """pytest-xdist reads the groups off renamed node ids (pytest 9.2 stopped reading those:
     every test then went its own way, and each worker started its own shared servers)."""
     _session(pytester)
-    pytester.makeconftest((HERE / "conftest.py").read_text() + POOL_STANDIN)
+    pytester.makeconftest((HERE / "conftest.py").read_text() + COUNTED_POOL)
     users = "".join(f"@pytest.mark.engine\ndef test_user_{i}(e2e_pool):\n    pass\n\n\n" for i in range(6))
     pytester.makepyfile(test_a=f"import pytest\n\n\n{users}", test_b=f"import pytest\n\n\n{users}")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v",
@@ -121,6 +127,8 @@ def test_under_xdist_a_group_runs_on_one_worker(pytester):
     result.assert_outcomes(passed=12)
     workers = {line.split()[0] for line in result.stdout.lines if "PASSED" in line and "test_user_" in line}
     assert len(workers) == 1, result.stdout.str()
+    # the worker's engine starts reach the controller's census
+    assert "engine starts: 1, 2 s until ready in all" in result.stdout.str(), result.stdout.str()
 
 
 # A stand-in pool whose stop conftest.py calls when its group's last test ends.
