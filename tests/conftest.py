@@ -354,6 +354,15 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 # ----------------------------------------------------------------------------- one core per worker
+def _cpus_in(cpu_list: str) -> int:
+    """How many CPUs a Linux CPU list names ("1", "0-3", "0,2-3")."""
+    count = 0
+    for part in cpu_list.split(","):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
 def pytest_configure(config):
     """Under pytest-xdist with at most one worker per core (HSX_TEST_WORKERS=2 on the 2-core CI
     box), each worker's engines compute on cores of their own: VLLM_CPU_OMP_THREADS_BIND set in
@@ -373,7 +382,19 @@ def pytest_configure(config):
     cpus = sorted(os.sched_getaffinity(0))
     if count > len(cpus):
         return
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = split_cores(cpus, count).split("|")[int(worker[2:])]
+    mine = split_cores(cpus, count).split("|")[int(worker[2:])]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = mine
+    # The worker's own torch work (transformers references, the trainers, `hsx` commands it
+    # starts) as many threads as it has cores, not one per core of the box: beside the other
+    # worker's engine, bound to the other core, a second OpenMP thread only spin-waits at each
+    # op's barrier. vLLM's engine processes set their own count from the binding above.
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = _cpus_in(mine)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        import sys
+
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------- engine census
