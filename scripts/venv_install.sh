@@ -19,11 +19,12 @@ venv_install() {
 
 # `venv_compile VENV`: every module of VENV's site-packages compiled to bytecode, once, at
 # install. uv installs none (pip compiles at install), and a process that may not write
-# __pycache__ (PYTHONDONTWRITEBYTECODE=1, as on the CI machines, or a read-only venv) compiles
-# every module it imports from source, each time: a tiny engine's start, three processes each
-# importing torch and vLLM, took 86 s on one core without bytecode and 25 s with it
-# (bench/README.md, "CI"). The few files this Python cannot compile (torch's tests written for
-# a newer Python) stay as they are: compileall reports them and exits 1.
+# __pycache__ (PYTHONDONTWRITEBYTECODE=1, as on the 2-core box of bench/README.md, or a
+# read-only venv) compiles every module it imports from source, each time: a tiny engine's
+# start, three processes each importing torch and vLLM, took 86 s on one core without
+# bytecode and 25 s with it (bench/README.md, "CI"). The few files this Python cannot compile
+# (torch's tests written for a newer Python) stay as they are: compileall reports them and
+# exits 1.
 venv_compile() {
   local site
   site=$("$1/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
