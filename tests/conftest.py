@@ -354,15 +354,6 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 # ----------------------------------------------------------------------------- one core per worker
-def _cpus_in(cpu_list: str) -> int:
-    """How many CPUs a Linux CPU list names ("1", "0-3", "0,2-3")."""
-    count = 0
-    for part in cpu_list.split(","):
-        first, _, last = part.partition("-")
-        count += int(last or first) - int(first) + 1
-    return count
-
-
 def pytest_configure(config):
     """Under pytest-xdist with at most one worker per core (HSX_TEST_WORKERS=2 on the 2-core CI
     box), each worker's engines compute on cores of their own: VLLM_CPU_OMP_THREADS_BIND set in
@@ -377,7 +368,7 @@ def pytest_configure(config):
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
     if not worker.startswith("gw") or count < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return
-    from hsx_service.engine.cpu_threads import split_cores  # hsx's own split of cores across TP ranks
+    from hsx_service.engine.cpu_threads import cpu_ids, split_cores  # hsx's own split of cores across TP ranks
 
     cpus = sorted(os.sched_getaffinity(0))
     if count > len(cpus):
@@ -389,7 +380,7 @@ def pytest_configure(config):
     # worker's engine, bound to the other core, a second OpenMP thread only spin-waits at each
     # op's barrier. vLLM's engine processes set their own count from the binding above.
     if "OMP_NUM_THREADS" not in os.environ:
-        threads = _cpus_in(mine)
+        threads = len(cpu_ids(mine))
         os.environ["OMP_NUM_THREADS"] = str(threads)
         import sys
 

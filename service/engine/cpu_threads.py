@@ -38,6 +38,15 @@ def _id_list(ids: list[int]) -> str:
     return ",".join(parts)
 
 
+def cpu_ids(cpu_list: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5]: a Linux CPU list (sysfs cpulist, VLLM_CPU_OMP_THREADS_BIND's per rank)."""
+    ids = []
+    for part in filter(None, cpu_list.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        ids.extend(range(int(lo), int(hi or lo) + 1))
+    return ids
+
+
 def split_cores(cpus: list[int], ranks: int) -> str:
     """Equal contiguous shares of `cpus`, one per rank, '|'-separated; leftover cores stay
     with the API and scheduler processes."""
@@ -53,12 +62,7 @@ def numa_nodes_with(cpus: set[int], node_dir: str = "/sys/devices/system/node") 
     nodes = 0
     for path in glob.glob(os.path.join(node_dir, "node[0-9]*", "cpulist")):
         with open(path) as fh:
-            text = fh.read().strip()
-        ids = set()
-        for part in filter(None, text.split(",")):
-            lo, _, hi = part.partition("-")
-            ids.update(range(int(lo), int(hi or lo) + 1))
-        nodes += bool(ids & cpus)
+            nodes += bool(set(cpu_ids(fh.read())) & cpus)
     return max(nodes, 1)
 
 

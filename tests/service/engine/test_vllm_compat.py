@@ -10,7 +10,7 @@ import pytest
 
 from hsx_service.engine import vllm_compat
 from hsx_service.engine.cpu_threads import (ENV, RESERVED_ENV, bind_cpu_workers, numa_nodes_with,
-                                            reserve_cores_as_without_connector, split_cores)
+                                            reserve_cores_as_without_connector, split_cores, cpu_ids)
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -62,6 +62,7 @@ def test_split_cores():
     assert split_cores([0, 1], 2) == "0|1"
     assert split_cores(list(range(16)), 2) == "0-7|8-15"
     assert split_cores([0, 1, 2, 3, 4], 2) == "0-1|2-3"  # the leftover core stays with the API process
+    assert [cpu_ids(share) for share in split_cores([0, 1, 2, 4, 5], 2).split("|")] == [[0, 1], [2, 4]]
     assert split_cores([3, 1, 5, 7], 2) == "1,3|5,7"
     with pytest.raises(ValueError, match="at least 4 cores"):
         split_cores([0, 1], 4)
