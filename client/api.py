@@ -39,6 +39,7 @@ import dataclasses
 import importlib
 import json
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -225,14 +226,27 @@ class HsxClient:
         `lease_ok`: from a same-host server (and `transfer="auto"`), the states may stay in
         its shared memory: the result then has a `lease`, to read before `release_lease`.
         That skips the HTTP body (about 4x the throughput of one client process on an
-        H200, bench/README.md), at the price of the release call."""
+        H200, bench/README.md), at the price of the release call. A sample too big for one
+        lease comes in chunk leases, collected here; when one of them expires before its
+        release, the sample is asked for again as an HTTP body (a second prefill)."""
         payload = _json_body(body)
+        rid = request_id or uuid.uuid4().hex
 
-        async def attempt(server: ServerState, rid: str) -> RawResponse:
-            stream = await self._open_states(server, payload, rid, lease_ok, whole=True, chunk_bytes=DEFAULT_CHUNK_BYTES)
-            return await stream.collect()  # within the attempt: a body that breaks off is retried
+        def attempt_with(leased: bool) -> Callable[[ServerState, str], Awaitable[RawResponse]]:
+            async def attempt(server: ServerState, rid: str) -> RawResponse:
+                stream = await self._open_states(server, payload, rid, leased, whole=True,
+                                                 chunk_bytes=DEFAULT_CHUNK_BYTES)
+                return await stream.collect()  # within the attempt: a body that breaks off is retried
+            return attempt
 
-        return await self._pool.with_retries(attempt, request_id or uuid.uuid4().hex)
+        try:
+            return await self._pool.with_retries(attempt_with(lease_ok), rid)
+        except LeaseExpiredError:
+            if not lease_ok:
+                raise
+            # A chunk lease expired while the sample was collected (a loaded client or
+            # server): asked again as an HTTP body, which cannot expire. Counted in stats().
+            return await self._pool.with_retries(attempt_with(False), rid)
 
     async def tokenize(self, body: dict[str, Any], *, request_id: str | None = None) -> dict[str, Any]:
         """`POST /tokenize` with retries: the `token_ids` (and `loss_mask`) the server would

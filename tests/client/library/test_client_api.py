@@ -486,3 +486,30 @@ def test_client_import_is_light():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+async def test_a_chunk_lease_that_expires_while_collected_is_asked_again_as_an_http_body(monkeypatch):
+    """A whole-response caller whose chunked lease answer loses a chunk lease (a loaded box:
+    the release came after --lease-timeout) gets the sample as an HTTP body, not the 410;
+    without lease_ok the 410 cannot happen and nothing is asked twice. The real server:
+    tests/service/test_chunked_states.py."""
+    from hsx_client.errors import LeaseExpiredError
+
+    asked: list[bool] = []
+
+    async with fast_client(["http://a"], httpx.MockTransport(ok_response)) as c:
+        open_states = c._open_states
+
+        class _ExpiredChunks:
+            async def collect(self):
+                c.note_lease_expired("http://a")
+                raise LeaseExpiredError("the server ended the sample", status=410, type="lease_gone", server="http://a")
+
+        async def leased_then_http(server, payload, rid, lease_ok, **kw):
+            asked.append(lease_ok)
+            return _ExpiredChunks() if lease_ok else await open_states(server, payload, rid, lease_ok, **kw)
+
+        monkeypatch.setattr(c, "_open_states", leased_then_http)
+        raw = await c.hidden_states_response({"input_ids": [1, 2, 3]}, lease_ok=True)
+        assert raw.lease is None and raw.decode().token_ids.tolist() == [1, 2, 3]
+        assert asked == [True, False] and c.stats()["http://a"]["leases_expired"] == 1
