@@ -303,8 +303,9 @@ def chunk_server(wide_model, log_dir):
     need_vllm()
     server = ServerProcess(str(wide_model), "--dtype", "float32", "--max-model-len", str(WIDE_TOKENS + 64),
                            "--arena-bytes", str(WIDE_ARENA), "--max-num-seqs", "8",
-                           # short, so a silent lease-stream client is seen ended (test_chunked_states)
-                           "--lease-timeout", "5",
+                           # short, so a silent lease-stream client is seen ended (test_chunked_states);
+                           # not 5: chunks granted ahead of a loaded client's reads expired at 5 s
+                           "--lease-timeout", "10",
                            # a repeated input is computed again, not partly from the prefix cache
                            "--no-enable-prefix-caching", log_dir=log_dir, name="chunked")
     GROUP_SERVERS.append(server.stop)

@@ -214,7 +214,7 @@ def test_whole_response_callers_get_a_chunked_lease_whole(chunk_server, referenc
 
 
 def test_a_whole_response_caller_whose_chunk_lease_expires_gets_the_sample_over_http(chunk_server, reference):
-    """A chunk lease released after --lease-timeout (a loaded client box: CI saw it once at 5 s)
+    """A chunk lease released after --lease-timeout (a loaded client box: CI saw it once at --lease-timeout 5)
     ended the sample with a 410 that reached the caller of a whole response. Now the client
     asks again as an HTTP body: the caller gets the exact states, the expiry is counted."""
     from hsx_client.api import HsxClient
@@ -250,8 +250,8 @@ def test_a_whole_response_caller_whose_chunk_lease_expires_gets_the_sample_over_
 
 
 # Issue 36 item 4 needs chunk_server started with a short --lease-timeout (tests/conftest.py:
-# `--lease-timeout 5` on its command line); with a longer one the test skips, since it waits
-# for an expiry. Locally: HSX_LEASE_TIMEOUT=5 in the environment of the test run.
+# `--lease-timeout 10` on its command line); with a longer one the test skips, since it waits
+# for an expiry. Locally: HSX_LEASE_TIMEOUT=10 in the environment of the test run.
 SILENT_TEST_MAX_TIMEOUT = 15.0
 
 
