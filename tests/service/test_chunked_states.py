@@ -20,7 +20,7 @@ import torch
 import zstandard
 
 from _reference import reference_states, rel_err
-from _server import ServerProcess, wait_until
+from _server import wait_until
 from conftest import WIDE_ARENA, WIDE_TOKENS, WIDE_VOCAB
 from hsx.wire import decode, parse_header
 
@@ -213,6 +213,11 @@ def test_whole_response_callers_get_a_chunked_lease_whole(chunk_server, referenc
     assert raw.lease is None and got.token_ids.tolist() == ids and rel_err(got.hidden_states, ref) < 1e-4
 
 
+# The tests below wait a lease out, so they need chunk_server's short --lease-timeout
+# (tests/conftest.py: `--lease-timeout 10` on its command line); with a longer one they skip.
+SILENT_TEST_MAX_TIMEOUT = 15.0
+
+
 def test_a_whole_response_caller_whose_chunk_lease_expires_gets_the_sample_over_http(chunk_server, reference):
     """A chunk lease released after --lease-timeout (a loaded client box: CI saw it once at --lease-timeout 5)
     ended the sample with a 410 that reached the caller of a whole response. Now the client
@@ -247,12 +252,6 @@ def test_a_whole_response_caller_whose_chunk_lease_expires_gets_the_sample_over_
     assert chunk_server.metrics().get("hsx_leases_total", 0, outcome="expired") > expired_before
     wait_until(lambda: _arena_used(chunk_server) == 0 and chunk_server.metrics().get("hsx_leases_live") == 0,
                60, "the expired sample's window and leases freed")
-
-
-# Issue 36 item 4 needs chunk_server started with a short --lease-timeout (tests/conftest.py:
-# `--lease-timeout 10` on its command line); with a longer one the test skips, since it waits
-# for an expiry. Locally: HSX_LEASE_TIMEOUT=10 in the environment of the test run.
-SILENT_TEST_MAX_TIMEOUT = 15.0
 
 
 def test_a_silent_lease_stream_client_is_ended_within_the_lease_timeout(chunk_server):

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from hsx_service.engine import vllm_compat
-from hsx_service.engine.cpu_threads import (ENV, RESERVED_ENV, bind_cpu_workers, numa_nodes_with,
-                                            reserve_cores_as_without_connector, split_cores, cpu_ids)
+from hsx_service.engine.cpu_threads import (ENV, RESERVED_ENV, bind_cpu_workers, cpu_ids, numa_nodes_with,
+                                            reserve_cores_as_without_connector, split_cores)
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
